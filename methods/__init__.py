@@ -1,0 +1,1 @@
+"""FL methods, one module each. See README.md in this folder for the contract."""

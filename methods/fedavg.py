@@ -1,0 +1,26 @@
+"""FedAvg — McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data", AISTATS 2017.
+
+    server: w^{t} = sum_k (n_k / n) w_k^{t}
+    client: w_k^{t} = E epochs of SGD on D_k starting from w^{t-1}
+
+Everything in the model (parameters and BN buffers) is shared and averaged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raysim.methods.base import Hparams, Method
+
+
+@dataclass(frozen=True)
+class FedAvgHparams(Hparams):
+    pass
+
+
+class FedAvg(Method):
+    name = "fedavg"
+    Hparams = FedAvgHparams
+    paper = "McMahan et al., AISTATS 2017"
+    # The base Method already is FedAvg: broadcast the global tensors, train with SGD,
+    # upload everything, aggregate by the n_k-weighted mean.

@@ -1,0 +1,24 @@
+"""Local (a.k.a. SingleSet / Standalone) — no federation: each client trains alone on its own
+data and is evaluated with its own model. The lower baseline of every paper here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raysim.methods.base import Hparams, Method
+
+
+@dataclass(frozen=True)
+class LocalHparams(Hparams):
+    pass
+
+
+class Local(Method):
+    name = "local"
+    Hparams = LocalHparams
+    paper = "the Standalone/SingleSet baseline"
+
+    def personal_keys(self, model):
+        return set(model.state_dict().keys())  # the whole model stays on the client
+
+    # Nothing is shared, so the weighted mean is empty and the server state never changes.

@@ -1,0 +1,5 @@
+import sys
+
+from raysim.cli import main
+
+sys.exit(main())

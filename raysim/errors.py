@@ -1,0 +1,21 @@
+"""User-facing errors: one clear line, exit code 2, no traceback."""
+
+
+class UserError(Exception):
+    """Something the user supplied is wrong (config, path, dataset, name).
+
+    The CLI prints ``raysim: error: <message>`` and exits with code 2.
+    The message should say what was wrong and what was expected.
+    """
+
+
+class TrainingDiverged(UserError):
+    """A client's loss became NaN or infinite: usually the learning rate is too high."""
+
+    def __init__(self, client_id: int, domain: str, round: int, value: float):
+        self.client_id, self.domain, self.round = client_id, domain, round
+        super().__init__(f"training diverged: loss became {value} for client {client_id} "
+                         f"(domain {domain}) in round {round}; try a lower train.lr")
+
+    def __reduce__(self):  # survives the trip through Ray
+        return (TrainingDiverged, (self.client_id, self.domain, self.round, float("nan")))

@@ -1,0 +1,60 @@
+import pytest
+
+from raysim.config import apply_overrides, host_layout, load_config, RuntimeConfig
+from raysim.errors import UserError
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(raw={"method": "fedavg"}, overrides=["train.lr=0.05", "rounds=3", "hp.fedprox.mu=0.1"])
+    assert cfg.train.lr == 0.05 and cfg.rounds == 3
+    assert cfg.hp == {"fedprox": {"mu": 0.1}}
+    assert cfg.method_names() == ["fedavg"]
+
+
+def test_method_override_replaces_methods_list():
+    cfg = load_config(raw={"methods": ["fedavg", "fedbn"]}, overrides=["method=local"])
+    assert cfg.method_names() == ["local"]
+    cfg = load_config(raw={"methods": ["fedavg", "fedbn"]})
+    assert cfg.method_names() == ["fedavg", "fedbn"]
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"method": "fedavg", "trian": {}}, "unknown config key 'trian'"),
+    ({"method": "fedavg", "train": {"lrr": 1}}, "unknown config key 'train.lrr'; valid keys here: epochs"),
+    ({"method": "fedavg", "train": {"lr": "fast"}}, "'train.lr' = 'fast': expected float"),
+    ({"method": "fedavg", "train": {"lr": -1}}, "'train.lr' = -1.0: expected a positive number"),
+    ({"method": "fedavg", "rounds": 0}, "'rounds' = 0"),
+    ({"method": "nosuch"}, "unknown method 'nosuch'; available: fedavg"),
+    ({"method": "fedavg", "runtime": {"num_hosts": 0}}, "'runtime.num_hosts' = 0"),
+    ({"method": "fedavg", "fraction": 1.5}, "'fraction' = 1.5"),
+    ({"method": "fedavg", "hp": {"fedprox": {"nu": 1}}}, "unknown hyperparameter 'hp.fedprox.nu'"),
+    ({"method": "fedavg", "hp": {"fedprox": {"mu": "x"}}}, "'hp.fedprox.mu' = 'x': expected float"),
+    ({"method": "fedavg", "runtime": {"gpus_per_host": 1.5}}, "fractions must be at most 1"),
+])
+def test_bad_configs_give_one_line_errors(raw, fragment):
+    with pytest.raises(UserError) as err:
+        load_config(raw=raw)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("method: [fedavg\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_override_syntax():
+    with pytest.raises(UserError, match="key=value"):
+        apply_overrides({}, ["rounds"])
+
+
+def test_host_layout():
+    assert host_layout(RuntimeConfig(num_hosts=2), 5) == (2, 3)
+    assert host_layout(RuntimeConfig(num_hosts=None, clients_per_host=1), 5) == (5, 1)
+    assert host_layout(RuntimeConfig(num_hosts=8), 5) == (5, 1)
+    with pytest.raises(UserError, match="cannot hold"):
+        host_layout(RuntimeConfig(num_hosts=2, clients_per_host=1), 5)
