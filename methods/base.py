@@ -258,6 +258,11 @@ def bn_keys(model: nn.Module) -> set[str]:
 
 
 def _check_hp(value, tp, key):
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(float(value)):
             raise UserError(f"hyperparameter '{key}' = {value!r}: expected a finite number")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from raysim.errors import UserError
 
@@ -11,15 +12,30 @@ _METHODS = {
     "fedprox": "raysim.methods.fedprox:FedProx",
     "fedbn": "raysim.methods.fedbn:FedBN",
     "local": "raysim.methods.local:Local",
+    "fdse": "raysim.methods.fdse:FDSE",
+    "fedwon": "raysim.methods.fedwon:FedWon",
+    "fedavg_gn": "raysim.methods.normbaselines:FedAvgGN",
+    "fedavg_ln": "raysim.methods.normbaselines:FedAvgLN",
+    "silobn": "raysim.methods.normbaselines:SiloBN",
+    "fixbn": "raysim.methods.normbaselines:FixBN",
+    "dapperfl": "raysim.methods.dapperfl:DapperFL",
+    "gperxan": "raysim.methods.gperxan:GPerXAN",
+    "gfedavg": "raysim.methods.gperxan:GFedAvg",
+    "csac": "raysim.methods.csac:CSAC",
 }
 
 
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(_METHODS[name].split(":")[0]) is not None
+
+
 def names() -> list[str]:
-    return sorted(_METHODS)
+    """Methods available in this build."""
+    return sorted(n for n in _METHODS if _installed(n))
 
 
 def get(name: str):
-    if not isinstance(name, str) or name not in _METHODS:
+    if not isinstance(name, str) or name not in _METHODS or not _installed(name):
         raise UserError(f"unknown method {name!r}; available: {', '.join(names())}")
     module, cls = _METHODS[name].split(":")
     return getattr(importlib.import_module(module), cls)

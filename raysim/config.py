@@ -32,7 +32,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "cnn6"
-    norm: str = "bn"
+    norm: str = "default"  # "default" = the paper's norm for that network; bn | gn | ln | in | none
     pretrained: str | None = None  # local weights file; nothing is downloaded
     options: dict = field(default_factory=dict)
 
@@ -126,6 +126,11 @@ def _coerce(value, tp, key: str):
         if value is None:
             return None
     elif tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(float(value)):
                 raise UserError(f"config key '{key}' = {value!r}: expected a finite number")

@@ -11,6 +11,13 @@ def test_defaults_and_overrides():
     assert cfg.method_names() == ["fedavg"]
 
 
+def test_exponent_notation_is_a_number():
+    cfg = load_config(raw={"method": "fedprox", "train": {"lr": "1e-3"}}, overrides=["hp.fedprox.mu=1e-2"])
+    assert cfg.train.lr == 1e-3 and cfg.for_method("fedprox").hp["fedprox"]["mu"] == "1e-2"
+    from raysim.methods.fedprox import FedProx
+    assert FedProx.hparams_from(cfg.hp["fedprox"]).mu == 0.01
+
+
 def test_method_override_replaces_methods_list():
     cfg = load_config(raw={"methods": ["fedavg", "fedbn"]}, overrides=["method=local"])
     assert cfg.method_names() == ["local"]

@@ -1,0 +1,109 @@
+"""raysim command line: run, report, data show (tune lives in raysim.tuning).
+
+User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from raysim.errors import UserError
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit 2
+        raise UserError(f"{message} (see 'raysim {self.prog.split()[-1]} --help')"
+                        if " " in self.prog else message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="raysim", description="Federated learning under domain shift, simulated on Ray.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run an experiment (default: configs/quickstart.yaml)")
+    run.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    run.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
+    run.add_argument("--address", help="Ray cluster address: auto, ray://host:port (default: local Ray)")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+
+    rep = sub.add_parser("report", help="re-render summary.md and curves.png from metrics.parquet")
+    rep.add_argument("run_dir")
+
+    data = sub.add_parser("data", help="inspect datasets")
+    dsub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    show = dsub.add_parser("show", help="table of domains and splits; --grid saves sample images")
+    show.add_argument("name")
+    show.add_argument("--root", help="folder of a real dataset")
+    show.add_argument("--grid", help="PNG file for a grid of sample images per domain")
+
+    tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune + Optuna")
+    tune.add_argument("args", nargs="*", metavar="CONFIG [key=value ...]")
+    tune.add_argument("--out", help="search directory")
+    tune.add_argument("--address", help="Ray cluster address")
+    return p
+
+
+def split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def cmd_run(ns) -> int:
+    from raysim.config import load_config
+    from raysim.experiment import run
+
+    path, overrides = split_config_and_overrides(ns.args)
+    if path is None:
+        if not QUICKSTART.is_file():
+            raise UserError(f"no CONFIG given and the quickstart config is missing: {QUICKSTART}")
+        path = QUICKSTART
+    cfg = load_config(path, overrides)
+    run(cfg, out=ns.out, address=ns.address, progress=not ns.quiet)
+    return 0
+
+
+def cmd_report(ns) -> int:
+    from raysim.report import render
+    print(render(ns.run_dir))
+    return 0
+
+
+def cmd_data(ns) -> int:
+    from raysim.data.show import show
+    print(show(ns.name, root=ns.root, grid=ns.grid))
+    if ns.grid:
+        print(f"sample grid written to {ns.grid}")
+    return 0
+
+
+def cmd_tune(ns) -> int:
+    try:
+        from raysim.tuning.search import main as tune_main
+    except ImportError:
+        raise UserError("raysim tune is not available in this build") from None
+    path, overrides = split_config_and_overrides(ns.args)
+    if path is None:
+        raise UserError("raysim tune needs a CONFIG file (e.g. configs/tune/fdse.yaml)")
+    return tune_main(path, overrides, out=ns.out, address=ns.address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    try:
+        ns = _parser().parse_args(argv)
+        return {"run": cmd_run, "report": cmd_report, "data": cmd_data, "tune": cmd_tune}[ns.command](ns)
+    except UserError as err:
+        print(f"raysim: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("raysim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

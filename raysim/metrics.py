@@ -1,0 +1,79 @@
+"""Metrics in long format: one row per (round, client, domain, split, metric, value).
+
+``client`` is -1 for federation-level rows: per-domain pooled accuracy, ``AVG`` (mean of the
+clients' accuracies, the papers' AVG) and ``ALL`` (accuracy over every client's pooled test
+samples, the papers' ALL). Communication and training loss are federation-level rows too.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+COLUMNS = ("round", "client", "domain", "split", "metric", "value")
+SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
+                    ("split", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
+
+
+class MetricsLog:
+    def __init__(self):
+        self._cols: dict[str, list] = {c: [] for c in COLUMNS}
+
+    def add(self, rnd: int, client: int, domain: str, split: str, metric: str, value: float) -> None:
+        for c, v in zip(COLUMNS, (rnd, client, domain, split, metric, float(value))):
+            self._cols[c].append(v)
+
+    def __len__(self) -> int:
+        return len(self._cols["round"])
+
+    def table(self) -> pa.Table:
+        return pa.table(self._cols, schema=SCHEMA)
+
+    def write(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        pq.write_table(self.table(), tmp)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ rows from results
+    def add_round(self, rnd: int, summary: dict) -> None:
+        self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
+        self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
+        self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
+
+    def add_eval(self, rnd: int, results: dict[int, dict], domain_of) -> dict:
+        """Per-client rows, then per-domain/AVG/ALL rows. Returns {split: {"AVG": acc, "ALL": acc}}."""
+        headline = {}
+        splits = sorted({s for r in results.values() for s in r})
+        for split in splits:
+            pooled: dict[str, np.ndarray] = {}  # domain -> [correct, loss_sum, n]
+            client_acc = []
+            for cid in sorted(results):
+                r = results[cid].get(split)
+                if r is None or r["n"] == 0:
+                    continue
+                dom = domain_of(cid)
+                acc, loss = r["correct"] / r["n"], r["loss_sum"] / r["n"]
+                self.add(rnd, cid, dom, split, "accuracy", acc)
+                self.add(rnd, cid, dom, split, "loss", loss)
+                client_acc.append(acc)
+                pooled.setdefault(dom, np.zeros(3))
+                pooled[dom] += (r["correct"], r["loss_sum"], r["n"])
+            for dom in pooled:  # clients are numbered domain by domain: the dataset's order
+                c, ls, n = pooled[dom]
+                self.add(rnd, -1, dom, split, "accuracy", c / n)
+                self.add(rnd, -1, dom, split, "loss", ls / n)
+            if client_acc:
+                total = sum(pooled.values())
+                avg, all_ = float(np.mean(client_acc)), total[0] / total[2]
+                self.add(rnd, -1, "AVG", split, "accuracy", avg)
+                self.add(rnd, -1, "ALL", split, "accuracy", all_)
+                self.add(rnd, -1, "ALL", split, "loss", total[1] / total[2])
+                headline[split] = {"AVG": avg, "ALL": all_}
+        return headline
+
+
+def read(path: str):
+    """metrics.parquet as a pandas DataFrame."""
+    return pq.read_table(path).to_pandas()

@@ -1,0 +1,40 @@
+"""Round progress: a live bar on a terminal, one plain line per round otherwise (logs, CI)."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total: int, label: str = "", enabled: bool = True, stream=None):
+        self.total, self.label, self.enabled = total, label, enabled
+        self.stream = stream or sys.stderr
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, rnd: int, train_loss: float, last_eval: dict) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / rnd * (self.total - rnd)
+        acc = last_eval.get("test", last_eval.get("val", {})).get("AVG")
+        acc_text = f"  acc(AVG) {100 * acc:5.1f}%" if acc is not None else ""
+        text = (f"{self.label} round {rnd}/{self.total}  loss {train_loss:.3f}{acc_text}"
+                f"  elapsed {_fmt(elapsed)}  eta {_fmt(eta)}")
+        if self.tty:
+            width = 24
+            done = int(width * rnd / self.total)
+            self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {text}\033[K")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _fmt(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"

@@ -1,0 +1,97 @@
+"""Joining Ray and placing the host pool on it.
+
+Locally raysim starts its own Ray instance (dashboard off, bound to 127.0.0.1); with
+``--address``/``RAY_ADDRESS`` it joins an existing cluster and never assumes a single node. The
+pool is reserved as one placement group, so a federation either gets all its hosts or fails
+fast with the resources it is missing (a group that cannot be placed would otherwise wait forever).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from raysim.errors import UserError
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, runtime=None):
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs = dict(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
+                  configure_logging=True)
+    if address:
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, ValueError, RuntimeError) as err:
+            raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+    else:
+        ray.init(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def check_resources(cfg, num_hosts: int) -> None:
+    import ray
+
+    total = ray.cluster_resources()
+    rt = cfg.runtime
+    need_gpu = rt.gpus_per_host * num_hosts
+    if need_gpu > 0 and total.get("GPU", 0) == 0:
+        raise UserError(f"runtime.gpus_per_host = {rt.gpus_per_host} but the Ray cluster has no GPUs; "
+                        "set runtime.gpus_per_host=0 or join a cluster with GPUs")
+    need_cpu = rt.cpus_per_host * num_hosts + rt.server_cpus
+    for name, need in (("CPU", need_cpu), ("GPU", need_gpu)):
+        if need > total.get(name, 0) + 1e-9:
+            raise UserError(f"the federation needs {need:g} {name} ({num_hosts} hosts x "
+                            f"{rt.cpus_per_host if name == 'CPU' else rt.gpus_per_host:g}) but the Ray cluster "
+                            f"has {total.get(name, 0):g}; lower runtime.num_hosts or runtime.{name.lower()}s_per_host")
+
+
+def host_bundles(cfg, num_hosts: int) -> list[dict]:
+    rt = cfg.runtime
+    bundle = {"CPU": rt.cpus_per_host}
+    if rt.gpus_per_host:
+        bundle["GPU"] = rt.gpus_per_host
+    return [dict(bundle) for _ in range(num_hosts)]
+
+
+def create_pool(cfg, num_hosts: int, num_clients: int):
+    """Start the ClientHost actors; returns (hosts, owner(client_id) -> host index, placement group).
+
+    Inside a Tune trial the hosts go into the trial's own placement group (bundles 1..H); otherwise
+    raysim reserves one for them.
+    """
+    import ray
+    from ray.util.placement_group import get_current_placement_group, placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raysim.runtime.host import ClientHost
+
+    rt = cfg.runtime
+    pg, own_pg, first_bundle = get_current_placement_group(), None, 1
+    if pg is None:
+        check_resources(cfg, num_hosts)
+        pg = own_pg = placement_group(host_bundles(cfg, num_hosts), strategy="PACK")
+        first_bundle = 0
+        ready, _ = ray.wait([pg.ready()], timeout=rt.pg_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise UserError(f"could not reserve {num_hosts} hosts x {host_bundles(cfg, 1)[0]} within "
+                            f"{rt.pg_timeout_s:g}s; the cluster has {ray.available_resources()} free")
+    actor = ray.remote(ClientHost)
+    hosts = []
+    for h in range(num_hosts):
+        clients = list(range(h, num_clients, num_hosts))
+        opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
+        hosts.append(actor.options(**opts).remote(h, cfg, clients))
+    from raysim.experiment import _get
+    _get([h.start.remote() for h in hosts])
+    return hosts, (lambda c: c % num_hosts), own_pg

@@ -1,0 +1,171 @@
+"""ClientHost: one Ray actor that hosts a fixed shard of virtual clients.
+
+It loads its clients' data partitions once, keeps one model instance that every client's step
+reuses, keeps each client's persistent state between rounds (spilling idle ones to disk), and
+returns per-host partial sums when the method aggregates by a weighted mean.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from raysim.methods.base import ClientContext, Upload
+from raysim.runtime.clientdata import ClientData, SplitView
+from raysim.runtime.federation import Federation
+from raysim.runtime.seeding import generator_for
+from raysim.runtime.store import ClientStateStore
+from raysim.training import evaluate
+
+
+def pick_device(gpu_ids) -> torch.device:
+    """The GPU Ray assigned to this actor when torch can see one, the CPU otherwise."""
+    if gpu_ids and torch.cuda.is_available():
+        return torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU(s)
+    return torch.device("cpu")
+
+
+def tensors_nbytes(tensors) -> int:
+    total = 0
+    for v in tensors.values():
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            total += tensors_nbytes(v)
+    return total
+
+
+class ClientHost:
+    def __init__(self, host_id: int, cfg, client_ids: list[int], gpu_ids=None):
+        self.host_id, self.cfg, self._gpu_ids = host_id, cfg, gpu_ids
+        self.client_ids = sorted(client_ids)
+
+    def start(self) -> dict:
+        """Load the clients' data and build the model (outside __init__ so errors keep their cause)."""
+        host_id, cfg, gpu_ids = self.host_id, self.cfg, self._gpu_ids
+        rt = cfg.runtime
+        threads = rt.torch_threads or max(1, int(rt.cpus_per_host))
+        torch.set_num_threads(threads)
+        self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
+        self.fed = Federation(cfg)
+        self.method = self.fed.method
+        self.model = self.fed.initial_model().to(self.device)
+        self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.data = {cid: self._client_data(cid) for cid in self.client_ids}
+        spill = os.path.join(rt.spill_dir, f"host-{host_id}") if rt.spill_dir else None
+        self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill)
+        return self.ready()
+
+    def _client_data(self, cid: int) -> ClientData:
+        shard = self.fed.shard(cid)
+        ds = self.fed.dataset
+        views = {s: SplitView(ds.split(shard.domain, shard.split_name(s)), getattr(shard, s))
+                 for s in ("train", "val", "test")}
+        return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(shard.train))
+
+    def ready(self) -> dict:
+        return {"host": self.host_id, "clients": len(self.client_ids), "device": str(self.device),
+                "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ state
+    def _state(self, cid: int) -> dict:
+        state = self.store.get(cid)
+        if state is None:
+            self.model.load_state_dict(self._init_sd)
+            state = self.method.init_client_state(cid, self.model)
+        return state
+
+    def _context(self, cid: int, rnd: int, payload: dict, state: dict) -> ClientContext:
+        train = self.cfg.train
+        return ClientContext(
+            client_id=cid, domain=self.fed.domain(cid), round=rnd, model=self.model,
+            payload=payload, state=state, data=self.data[cid], train=train,
+            lr=train.lr * train.lr_decay ** (rnd - 1),
+            generator=generator_for(self.cfg.seed, rnd, cid, "train"), device=self.device,
+            profile=self.fed.profile(cid))
+
+    # ------------------------------------------------------------------ a round
+    def train_round(self, rnd: int, payload_box: list, client_ids: list[int], personal_boxes: dict | None = None):
+        """Run the local step of each listed client (ascending id); return what the server needs."""
+        import ray
+        payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
+        personal_boxes = personal_boxes or {}
+        per_client = self.method.aggregation == "per_client"
+        sums: dict[str, torch.Tensor] = {}
+        weight = 0.0
+        each: dict[int, Upload] = {}
+        metrics: dict[int, dict] = {}
+        bytes_up = 0
+        t0 = time.perf_counter()
+        for cid in sorted(client_ids):
+            mine = _client_payload(payload, personal_boxes.get(cid))
+            state = self._state(cid)
+            self.method.load_client_model(self.model, mine, state)
+            ctx = self._context(cid, rnd, mine, state)
+            up = self.method.local_update(ctx)
+            self.store.put(cid, ctx.state)
+            metrics[cid] = dict(up.metrics)
+            bytes_up += tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
+            if per_client:
+                each[cid] = Upload({k: v.detach().cpu().clone() for k, v in up.tensors.items()}, up.weight,
+                                   up.extras, up.metrics)
+            else:
+                for k, v in up.tensors.items():
+                    contrib = v.detach().to("cpu", torch.float64) * up.weight
+                    if k in sums:
+                        sums[k] += contrib
+                    else:
+                        sums[k] = contrib
+            weight += up.weight
+        return {"host": self.host_id, "sums": None if per_client else sums, "weight": weight,
+                "each": each if per_client else None, "metrics": metrics, "bytes_up": bytes_up,
+                "dtypes": {k: v.dtype for k, v in self._init_sd.items()},
+                "seconds": time.perf_counter() - t0}
+
+    def evaluate(self, rnd: int, payload_box: list, requests: dict[int, list[str]], protocol: str,
+                 personal_boxes: dict | None = None) -> dict:
+        """Accuracy and loss sums for each requested (client, split): with the client's own model
+        (personalized) or with the global model (global; lodo)."""
+        import ray
+        payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
+        personal_boxes = personal_boxes or {}
+        bs = max(self.cfg.train.batch_size, 256)
+        out = {}
+        if protocol != "personalized":  # from the initial model, so tensors the payload lacks are fixed
+            self.model.load_state_dict(self._init_sd)
+            model = self.method.global_eval_model(self.model, payload)
+        for cid in sorted(requests):
+            if protocol == "personalized":
+                mine = _client_payload(payload, personal_boxes.get(cid))
+                model = self.method.eval_model(self.model, mine, self._state(cid))
+            out[cid] = {s: evaluate(model, getattr(self.data[cid], s), bs, self.device) for s in requests[cid]}
+        return out
+
+    def memory(self) -> dict:
+        import resource
+        return {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "state_mb": self.store.bytes_in_memory / 2**20, "spills": self.store.spills,
+                "clients_with_state": len(self.store)}
+
+
+def _client_payload(payload: dict, personal) -> dict:
+    if personal is None:
+        return payload
+    import ray
+    personal = ray.get(personal) if _is_ref(personal) else personal
+    return {**payload, "personal": personal}
+
+
+def _is_ref(x) -> bool:
+    import ray
+    return isinstance(x, ray.ObjectRef)
+
+
+def _ray_gpu_ids():
+    import ray
+    try:
+        return ray.get_gpu_ids()
+    except Exception:  # not inside a Ray worker (direct use in tests/benchmarks)
+        return []

@@ -1,0 +1,111 @@
+"""Server: holds the global state, samples clients, aggregates, and turns evaluations into rows.
+
+The aggregation is order-independent: hosts send n_k-weighted sums in float64 (a float32 value
+times an integer weight is exact in float64), the server adds them in host order and rounds the
+mean back to the tensor's dtype once, so 1 host or 8 give the same float32 result.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from raysim.errors import UserError
+from raysim.methods.base import Uploads
+from raysim.runtime.federation import Federation
+from raysim.runtime.host import tensors_nbytes
+from raysim.runtime.seeding import SERVER, rng_for
+
+
+class Server:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def start(self) -> dict:
+        """Build data, partition and initial state. Not in __init__: an error raised there reaches
+        the driver without its cause, and a user error must arrive as one clear line."""
+        self.fed = Federation(self.cfg)
+        self.method = self.fed.method
+        model = self.fed.initial_model()
+        self.state = self.method.init_server(model)
+        self.n = self.fed.num_clients
+        self.per_round = self._clients_per_round()
+        return self.describe()
+
+    def _clients_per_round(self) -> int:
+        cfg = self.cfg
+        if cfg.clients_per_round is not None:
+            if cfg.clients_per_round > self.n:
+                raise UserError(f"clients_per_round = {cfg.clients_per_round} but the federation has "
+                                f"{self.n} clients")
+            return cfg.clients_per_round
+        if cfg.fraction is not None:
+            return max(1, int(round(cfg.fraction * self.n)))
+        return self.n
+
+    def describe(self) -> dict:
+        part = self.fed.partition
+        targets = [self.fed.domain(self.n + i) for i in range(self.fed.num_targets)]
+        return {"num_clients": self.n, "num_targets": len(targets), "clients_per_round": self.per_round,
+                "domains": list(self.fed.dataset.domains),
+                "client_domains": list(self.fed.setup.client_domains) + targets,
+                "num_train": [part.num_samples(c, "train") for c in range(min(self.n, 1000))]}
+
+    # ------------------------------------------------------------------ round
+    def sample(self, rnd: int) -> list[int]:
+        if self.per_round >= self.n:
+            return list(range(self.n))
+        rng = rng_for(self.cfg.seed, rnd, SERVER, "sample")
+        return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
+
+    def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
+        """ray.put the round's payload once; per-client payloads only when the method has them.
+
+        Returns ``([payload_ref], {client_id: personal_ref})``; the ref travels inside a list so
+        that each host fetches it from the object store itself.
+        """
+        import ray
+        payload = self.method.broadcast(self.state, rnd)
+        personal = {}
+        down = tensors_nbytes(payload) * len(client_ids)
+        for cid in client_ids:
+            p = self.method.client_payload(self.state, cid, rnd)
+            if p is not None:
+                personal[cid] = ray.put(p)
+                down += tensors_nbytes(p)
+        if for_training:
+            self._bytes_down = down
+        return [ray.put(payload)], personal
+
+    def aggregate(self, rnd: int, *host_results) -> dict:
+        results = sorted(host_results, key=lambda r: r["host"])
+        total = sum(r["weight"] for r in results)
+        clients = sorted(c for r in results for c in r["metrics"])
+        mean = None
+        if results and results[0]["sums"] is not None:
+            sums: dict[str, torch.Tensor] = {}
+            for r in results:
+                for k, v in r["sums"].items():
+                    sums[k] = sums[k] + v if k in sums else v.clone()
+            dtypes = results[0]["dtypes"]
+            mean = {}
+            for k, v in sums.items():
+                m = v / total if total > 0 else v
+                dt = dtypes.get(k, torch.float32)
+                mean[k] = m.round().to(dt) if not dt.is_floating_point else m.to(dt)
+        each = None
+        if results and results[0]["each"] is not None:
+            each = {c: u for r in results for c, u in r["each"].items()}
+            each = dict(sorted(each.items()))
+        uploads = Uploads(mean=mean, total_weight=total, clients=clients, each=each)
+        self.state = self.method.aggregate(self.state, uploads, rnd)
+        metrics = {c: m for r in results for c, m in r["metrics"].items()}
+        losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
+        return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
+                "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
+                "bytes_down": getattr(self, "_bytes_down", 0),
+                "host_seconds": {r["host"]: r["seconds"] for r in results}}
+
+    def global_state(self) -> dict:
+        return self.state

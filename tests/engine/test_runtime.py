@@ -1,0 +1,98 @@
+"""End-to-end runs on real Ray actors (the session's Ray instance: 2 CPUs, 1 logical GPU)."""
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from raysim.config import load_config
+from raysim.errors import UserError
+from raysim.experiment import run
+
+TINY = {
+    "method": "fedavg", "rounds": 2, "seed": 3,
+    "data": {"dataset": "digits5", "partition": {"kind": "per_domain", "train_size": 64}},
+    "model": {"name": "small_cnn", "norm": "bn"},
+    "train": {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.5},
+    "eval": {"every": 1},
+    "runtime": {"num_hosts": 1, "cpus_per_host": 1},
+}
+
+
+def tiny(*overrides):
+    return load_config(raw=TINY, overrides=list(overrides))
+
+
+def metrics(run_dir):
+    return pq.read_table(os.path.join(run_dir, "metrics.parquet")).to_pandas()
+
+
+@pytest.fixture(scope="module")
+def fedbn_one_host(ray_session, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fedbn1"))
+    run(tiny("method=fedbn"), out=out, progress=False)
+    return out
+
+
+def test_run_directory_has_config_metrics_summary_curves(fedbn_one_host):
+    files = set(os.listdir(fedbn_one_host))
+    assert {"config.yaml", "metrics.parquet", "summary.md", "curves.png"} <= files
+    df = metrics(fedbn_one_host)
+    assert list(df.columns) == ["round", "client", "domain", "split", "metric", "value"]
+    assert set(df.metric) >= {"accuracy", "loss", "bytes_up", "bytes_down"}
+    clients = df[(df.client >= 0) & (df.split == "test") & (df.metric == "accuracy")]
+    assert sorted(clients.client.unique()) == [0, 1, 2, 3, 4]
+    glob = df[(df.client == -1) & (df.split == "test") & (df.metric == "accuracy")]
+    assert {"AVG", "ALL", "mnist", "usps"} <= set(glob.domain)
+    # AVG is the mean of the clients' accuracies, per round
+    for rnd, g in clients.groupby("round"):
+        avg = glob[(glob["round"] == rnd) & (glob.domain == "AVG")].value.item()
+        assert avg == pytest.approx(g.value.mean())
+    summary = open(os.path.join(fedbn_one_host, "summary.md")).read()
+    assert "| fedbn" in summary and "Best-validation round" in summary
+
+
+@pytest.mark.parametrize("runtime", [
+    ["runtime.num_hosts=2"],
+    ["runtime.num_hosts=null", "runtime.clients_per_host=1", "runtime.cpus_per_host=0.4"],
+])
+def test_same_metrics_whatever_the_host_layout(fedbn_one_host, tmp_path, runtime):
+    out = str(tmp_path / "run")
+    run(tiny("method=fedbn", *runtime), out=out, progress=False)
+    a, b = metrics(fedbn_one_host), metrics(out)
+    a = a[a.split != "comm"].reset_index(drop=True)
+    b = b[b.split != "comm"].reset_index(drop=True)
+    assert a.equals(b)
+
+
+def test_fractional_gpu_hosts_fall_back_to_cpu(ray_session, tmp_path):
+    """Four hosts at 0.25 logical GPU each share the one declared GPU; torch sees no CUDA -> CPU."""
+    import ray
+    from raysim.runtime.cluster import create_pool
+
+    cfg = tiny("runtime.num_hosts=4", "runtime.cpus_per_host=0.5", "runtime.gpus_per_host=0.25")
+    hosts, owner, pg = create_pool(cfg, 4, 5)
+    try:
+        info = ray.get([h.ready.remote() for h in hosts])
+        assert [i["device"] for i in info] == ["cpu"] * 4
+        assert [i["clients"] for i in info] == [2, 1, 1, 1]
+        assert owner(4) == 0
+    finally:
+        for h in hosts:
+            ray.kill(h)
+        ray.util.remove_placement_group(pg)
+
+
+def test_more_gpus_than_the_cluster_has_is_a_user_error(ray_session, tmp_path):
+    with pytest.raises(UserError, match="needs 2 GPU"):
+        run(tiny("runtime.num_hosts=2", "runtime.gpus_per_host=1"), out=str(tmp_path), progress=False)
+
+
+def test_more_clients_per_round_than_clients(ray_session, tmp_path):
+    with pytest.raises(UserError, match="clients_per_round = 9 but the federation has 5 clients"):
+        run(tiny("clients_per_round=9"), out=str(tmp_path), progress=False)
+
+
+def test_nan_loss_stops_with_client_and_round_and_keeps_metrics(ray_session, tmp_path):
+    with pytest.raises(UserError, match=r"loss became nan for client \d \(domain \w+\) in round \d"):
+        run(tiny("train.lr=1e30", "rounds=3", "train.momentum=0.0"), out=str(tmp_path), progress=False)
+    assert os.path.isfile(tmp_path / "config.yaml")
