@@ -1,0 +1,77 @@
+"""``raysim data show NAME``: what a dataset holds, as text, plus an optional image grid.
+
+The grid is drawn with matplotlib's Agg canvas directly (no pyplot, no global backend
+switch), so it works headless and leaves the caller's matplotlib state alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raysim.data import load
+from raysim.data.splits import SPLITS
+from raysim.errors import UserError
+
+
+def table(ds) -> str:
+    c, h, w = ds.image_shape
+    lines = [f"dataset {ds.name}: {len(ds.domains)} domains, {ds.num_classes} classes, image {c}x{h}x{w}"]
+    for k in ("preset", "recipe", "splits", "split", "normalize", "augment", "root", "source"):
+        if ds.info.get(k) is not None:
+            lines.append(f"  {k}: {ds.info[k]}")
+    header = f"{'domain':<16}{'split':<7}{'images':>9}{'classes':>9}  image size"
+    lines += ["", header, "-" * len(header)]
+    total = 0
+    for d in ds.domains:
+        for s in SPLITS:
+            sp = ds.split(d, s)
+            present = int((np.bincount(sp.labels, minlength=ds.num_classes) > 0).sum()) if len(sp) else 0
+            total += len(sp)
+            lines.append(f"{d:<16}{s:<7}{len(sp):>9}{f'{present}/{ds.num_classes}':>9}  {h}x{w}")
+    lines.append("-" * len(header))
+    lines.append(f"{'total':<23}{total:>9}")
+    return "\n".join(lines)
+
+
+def save_grid(ds, path, per_domain: int = 10, split: str = "train") -> None:
+    """One row per domain: ``per_domain`` evenly spaced images of its ``split``, labelled."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = len(ds.domains)
+    fig = Figure(figsize=(per_domain * 1.0 + 1.2, rows * 1.1 + 0.3))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, per_domain, squeeze=False)
+    for r, d in enumerate(ds.domains):
+        sp = ds.split(d, split)
+        n = len(sp)
+        idx = np.linspace(0, n - 1, min(per_domain, n)).astype(np.int64) if n else np.zeros(0, np.int64)
+        imgs = sp.images(idx) if n else []
+        for k in range(per_domain):
+            ax = axes[r][k]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if k < len(idx):
+                img = imgs[k]
+                ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None,
+                          interpolation="nearest")
+                ax.set_title(ds.classes[sp.labels[idx[k]]][:10], fontsize=7, pad=2)
+            else:
+                ax.axis("off")
+        axes[r][0].set_ylabel(d, rotation=0, ha="right", va="center", fontsize=9)
+    fig.suptitle(f"{ds.name} ({split})", fontsize=10)
+    fig.subplots_adjust(left=1.1 / (per_domain + 1.2), right=0.99, bottom=0.02, top=1 - 0.45 / (rows * 1.1 + 0.3),
+                        wspace=0.08, hspace=0.35)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise UserError(f"cannot write grid image {path}: {e}") from None
+
+
+def show(name: str, root=None, grid=None, seed: int = 0, per_domain: int = 10, **opts) -> str:
+    """A plain-text summary table of dataset ``name``; with ``grid=PATH.png`` also save a
+    sample-image grid (one row per domain; the CLI reports where)."""
+    ds = load(name, root=root, seed=seed, **opts)
+    if grid is not None:
+        save_grid(ds, grid, per_domain=per_domain)
+    return table(ds)
