@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from raysim.errors import UserError
+from raysim.errors import RunFailed, UserError
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
     run.add_argument("--address", help="Ray cluster address: auto, ray://host:port (default: local Ray)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
+    run.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
 
     rep = sub.add_parser("report", help="re-render summary.md and curves.png from metrics.parquet")
     rep.add_argument("run_dir")
@@ -55,14 +57,25 @@ def split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_run(ns) -> int:
     from raysim.config import load_config
-    from raysim.experiment import run
 
+    if ns.resume:
+        from raysim.experiment import resume_config, run
+        if ns.args and "=" not in ns.args[0]:
+            raise UserError("--resume takes the run directory's own config; give no CONFIG file")
+        cfg = resume_config(ns.resume, ns.args)
+        run(cfg, out=ns.resume, address=ns.address, progress=not ns.quiet, resume=True)
+        return 0
     path, overrides = split_config_and_overrides(ns.args)
     if path is None:
         if not QUICKSTART.is_file():
             raise UserError(f"no CONFIG given and the quickstart config is missing: {QUICKSTART}")
         path = QUICKSTART
     cfg = load_config(path, overrides)
+    if ns.check:
+        import yaml
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from raysim.experiment import run
     run(cfg, out=ns.out, address=ns.address, progress=not ns.quiet)
     return 0
 
@@ -100,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"raysim: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
+    except RunFailed as err:
+        print(f"raysim: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("raysim: interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -74,6 +75,12 @@ class RuntimeConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # write a checkpoint every k rounds (0: never)
+    keep: int = 2  # keep the newest k checkpoints
+
+
+@dataclass
 class ExperimentConfig:
     method: str | None = "fedavg"
     methods: list | None = None  # several methods on the same data and seed -> one comparison table
@@ -87,6 +94,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
 
     def method_names(self) -> list[str]:
@@ -247,6 +255,8 @@ def validate(cfg: ExperimentConfig) -> None:
     for n in names:
         registry.get(n)  # raises UserError listing the known methods
     need(len(set(names)) == len(names), f"'methods' lists a method twice: {names}")
+    need(cfg.name is None or (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.name) is not None),
+         f"config key 'name' = {cfg.name!r}: expected letters, digits, '.', '_' or '-' (it names the run folder)")
     for n, hp in cfg.hp.items():
         need(isinstance(hp, dict), f"config key 'hp.{n}' must map hyperparameter names to values")
         registry.get(n).hparams_from(hp, prefix=f"hp.{n}")
@@ -291,6 +301,8 @@ def validate(cfg: ExperimentConfig) -> None:
     need(r.server_cpus >= 0, "config key 'runtime.server_cpus' must be >= 0")
     need(r.torch_threads is None or r.torch_threads >= 1, "config key 'runtime.torch_threads' must be >= 1")
     need(r.state_memory_mb >= 0, "config key 'runtime.state_memory_mb' must be >= 0")
+    need(cfg.checkpoint.every >= 0, f"config key 'checkpoint.every' = {cfg.checkpoint.every}: expected >= 0")
+    need(cfg.checkpoint.keep >= 1, f"config key 'checkpoint.keep' = {cfg.checkpoint.keep}: expected >= 1")
     need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
          "config key 'data.partition' must be a mapping with a 'kind' (e.g. per_domain)")
 

@@ -9,6 +9,13 @@ class UserError(Exception):
     """
 
 
+class RunFailed(Exception):
+    """A run stopped for a reason outside the user's input (a lost server, an interrupt).
+
+    The CLI prints the one-line message, which says how to resume, and exits with code 1.
+    """
+
+
 class TrainingDiverged(UserError):
     """A client's loss became NaN or infinite: usually the learning rate is too high."""
 

@@ -1,20 +1,30 @@
 """The driver: start (or join) Ray, place the server and the host pool, run the rounds, write the
 run directory. It holds no per-client state; it only orchestrates and reports progress.
 
-    run(cfg) -> for each method: Server actor + ClientHost pool -> rounds -> metrics.parquet,
-                summary.md, curves.png; with several methods, one comparison table on top.
+    run(cfg) -> for each method (and each held-out domain under LODO): FederationRun
+                -> Server actor + ClientHost pool -> rounds -> metrics.parquet;
+             -> summary.md and curves.png (one comparison table on top).
+
+A lost ClientHost is replaced and the federation rolls back to its last checkpoint (or to round
+0, which is always reproducible) and replays: every draw is keyed by (seed, round, client), so the
+metrics come out identical to an undisturbed run's.
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
-from raysim.config import ExperimentConfig, dump_yaml, host_layout
-from raysim.errors import UserError
+from raysim import checkpoint
+from raysim.config import ExperimentConfig, dump_yaml, host_layout, load_config
+from raysim.errors import RunFailed, UserError
 from raysim.metrics import MetricsLog
 from raysim.progress import Progress
 from raysim.runtime.seeding import SERVER, rng_for
+
+MAX_HOST_RESTARTS = 3
 
 
 @dataclass
@@ -26,6 +36,7 @@ class MethodRun:
     startup_seconds: float
     round_seconds: list[float]
     last_eval: dict
+    host_restarts: int = 0
 
 
 def default_run_dir(cfg: ExperimentConfig) -> str:
@@ -35,14 +46,19 @@ def default_run_dir(cfg: ExperimentConfig) -> str:
 
 
 def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = None,
-        progress: bool = True) -> list[MethodRun]:
-    """Run every method of ``cfg`` on the same data and seed; return one MethodRun each."""
+        progress: bool = True, resume: bool = False) -> list[MethodRun]:
+    """Run every method of ``cfg`` on the same data and seed; return one MethodRun each.
+
+    With ``resume``, federations already finished are skipped and the others continue from their
+    last checkpoint.
+    """
     from raysim import report
     from raysim.runtime.cluster import ray_session
 
     run_dir = out or default_run_dir(cfg)
     os.makedirs(run_dir, exist_ok=True)
-    dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+    if not resume:
+        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     names = cfg.method_names()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
     results = []
@@ -54,7 +70,9 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
                 if holdout is not None:  # leave-one-domain-out: one federation per held-out domain
                     one.data.partition = {**one.data.partition, "holdout": holdout}
                     sub = os.path.join(sub, f"holdout-{holdout}")
-                results.append(run_method(one, sub, progress=progress))
+                if resume and _finished(sub):
+                    continue
+                results.append(FederationRun(one, sub, progress=progress).run(resume=resume))
     text = report.render(run_dir)
     if progress:
         print(text)
@@ -62,54 +80,196 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     return results
 
 
-def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None) -> MethodRun:
-    """One federation of one method. ``on_round(round, summary, evaluation or None)`` is called
-    after every round (Tune reports per-round metrics through it)."""
-    import ray
-    from raysim.runtime.cluster import create_pool
-    from raysim.runtime.server import Server
+def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:
+    """The run's own config; only runtime.* may be changed on resume."""
+    bad = [o for o in overrides if not o.split("=", 1)[0].startswith("runtime.")]
+    if bad:
+        raise UserError(f"--resume continues the run as configured; only runtime.* overrides are allowed, "
+                        f"got {bad[0]!r}")
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {run_dir}: no config.yaml there (is it a raysim run directory?)")
+    return load_config(path, overrides)
 
-    os.makedirs(run_dir, exist_ok=True)
-    dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-    t_start = time.perf_counter()
-    log = MetricsLog()
-    bar = Progress(cfg.rounds, label=cfg.method, enabled=progress)
-    server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus).remote(cfg)
-    hosts, pg = [], None
-    round_seconds, last_eval, rnd = [], {}, 0
+
+def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None) -> MethodRun:
+    """One federation of one method (see FederationRun)."""
+    return FederationRun(cfg, run_dir, progress=progress, on_round=on_round).run()
+
+
+def _finished(run_dir: str) -> bool:
     try:
-        info = _get(server.start.remote())
-        n = info["num_clients"]
-        num_hosts, _ = host_layout(cfg.runtime, n)
-        hosts, owner, pg = create_pool(cfg, num_hosts, n + info["num_targets"])
-        domain_of = info["client_domains"].__getitem__
-        requests = _eval_requests(cfg, _eval_clients(cfg, n), info)
-        startup = time.perf_counter() - t_start
-        bar.t0 = time.perf_counter()
-        for rnd in range(1, cfg.rounds + 1):
-            t0 = time.perf_counter()
-            sampled = _get(server.sample.remote(rnd))
-            payload_box, personal = _get(server.broadcast.remote(rnd, sampled))
-            futures = [hosts[h].train_round.remote(rnd, payload_box, cids, {c: personal[c] for c in cids if c in personal})
-                       for h, cids in _split_by_host(sampled, owner).items()]
-            summary = _get(server.aggregate.remote(rnd, *futures))
-            log.add_round(rnd, summary)
-            evaluation = None
-            if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
-                evaluation = last_eval = _evaluate(cfg, server, hosts, owner, rnd, requests, log, domain_of)
-            round_seconds.append(time.perf_counter() - t0)
-            if on_round is not None:
-                on_round(rnd, summary, evaluation)
-            bar.update(rnd, summary["train_loss"], last_eval)
-    finally:
-        bar.close()
-        if len(log):
-            log.write(os.path.join(run_dir, "metrics.parquet"))
-        for actor in [*hosts, server]:
-            ray.kill(actor)
-        if pg is not None:
-            ray.util.remove_placement_group(pg)
-    return MethodRun(cfg.method, run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds, last_eval)
+        with open(os.path.join(run_dir, "status.json"), encoding="utf-8") as fh:
+            return json.load(fh).get("finished", False)
+    except (OSError, ValueError):
+        return False
+
+
+class FederationRun:
+    """One federation: a Server actor, a host pool, the round loop, metrics and checkpoints.
+
+    ``on_round(round, summary, evaluation or None)`` is called after every round (Tune reports
+    per-round metrics through it).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None):
+        self.cfg, self.run_dir, self.on_round = cfg, run_dir, on_round
+        self.progress = progress
+        self.server = None
+        self.hosts, self.pg = [], None
+        self.log = MetricsLog()
+        self.host_restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self, resume: bool = False) -> MethodRun:
+        import ray
+        from raysim.runtime.server import Server
+
+        cfg = self.cfg
+        os.makedirs(self.run_dir, exist_ok=True)
+        if not resume or not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
+            dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
+        t_start = time.perf_counter()
+        bar = Progress(cfg.rounds, label=cfg.method, enabled=self.progress)
+        self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus).remote(cfg)
+        round_seconds, last_eval, rnd = [], {}, 0
+        try:
+            self.info = _get(self.server.start.remote())
+            self.n = self.info["num_clients"]
+            self.num_hosts, _ = host_layout(cfg.runtime, self.n)
+            self._start_hosts()
+            self.domain_of = self.info["client_domains"].__getitem__
+            self.requests = _eval_requests(cfg, _eval_clients(cfg, self.n), self.info)
+            rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
+            startup = time.perf_counter() - t_start
+            bar.t0 = time.perf_counter()
+            while rnd <= cfg.rounds:
+                t0 = time.perf_counter()
+                try:
+                    summary, evaluation = self._round(rnd)
+                except HostLost as lost:
+                    rnd = self._recover(lost, rnd) + 1
+                    continue
+                last_eval = evaluation or last_eval
+                round_seconds.append(time.perf_counter() - t0)
+                if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0) and rnd < cfg.rounds:
+                    self._checkpoint(rnd)
+                bar.update(rnd, summary["train_loss"], last_eval)
+                if self.on_round is not None:
+                    self.on_round(rnd, summary, evaluation)
+                rnd += 1
+            rnd = cfg.rounds
+            _write_status(self.run_dir, finished=True, rounds=rnd)
+        except KeyboardInterrupt:
+            raise RunFailed(f"interrupted in round {rnd}; {self._resume_hint()}") from None
+        finally:
+            bar.close()
+            if len(self.log):
+                self.log.write(os.path.join(self.run_dir, "metrics.parquet"))
+            self._stop()
+        return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
+                         last_eval, self.host_restarts)
+
+    def _start_hosts(self) -> None:
+        from raysim.runtime.cluster import create_pool
+        self.hosts, self.owner, self.pg = create_pool(self.cfg, self.num_hosts, self.n + self.info["num_targets"])
+
+    def _stop_hosts(self) -> None:
+        import ray
+        for h in self.hosts:
+            ray.kill(h)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+        self.hosts, self.pg = [], None
+
+    def _stop(self) -> None:
+        import ray
+        self._stop_hosts()
+        if self.server is not None:
+            ray.kill(self.server)
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, rnd: int):
+        cfg, server = self.cfg, self.server
+        sampled = self._call(server.sample.remote(rnd))
+        payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
+        futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
+                                                    {c: personal[c] for c in cids if c in personal})
+                   for h, cids in _split_by_host(sampled, self.owner).items()]
+        summary = self._call(server.aggregate.remote(rnd, *futures))
+        results = None
+        if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
+            payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests), False))
+            futures = [self.hosts[h].evaluate.remote(rnd, payload_box, {c: self.requests[c] for c in cids},
+                                                     cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
+                       for h, cids in _split_by_host(self.requests, self.owner).items()]
+            results = {}
+            for part in self._call(futures):
+                results.update(part)
+        # metrics only once the whole round succeeded, so a replayed round never logs twice
+        self.log.add_round(rnd, summary)
+        evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
+        return summary, evaluation
+
+    def _call(self, refs):
+        """ray.get that tells a lost host (recoverable) from a lost server (resume later)."""
+        import ray
+        try:
+            return _get(refs)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError) as err:
+            if not _alive(self.server):
+                raise RunFailed(f"the server actor was lost ({_first_line(err)}); {self._resume_hint()}") from None
+            dead = [h for h, actor in enumerate(self.hosts) if not _alive(actor)]
+            if not dead:
+                raise
+            raise HostLost(dead, _first_line(err)) from None
+
+    # ------------------------------------------------------------------ recovery and checkpoints
+    def _recover(self, lost: "HostLost", rnd: int) -> int:
+        """Replace the pool and roll back to the last checkpoint (or round 0); return its round."""
+        self.host_restarts += 1
+        if self.host_restarts > MAX_HOST_RESTARTS:
+            raise RunFailed(f"hosts {lost.hosts} lost in round {rnd} after {MAX_HOST_RESTARTS} restarts "
+                            f"({lost.reason}); {self._resume_hint()}")
+        _warn(f"raysim: warning: host(s) {lost.hosts} lost in round {rnd} ({lost.reason}); "
+              "restarting the pool and replaying from the last checkpoint")
+        self._stop_hosts()
+        self._start_hosts()
+        ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
+        if ckpt is None:
+            _get(self.server.reset.remote())
+        return self._restore(ckpt)
+
+    def _restore(self, ckpt: dict | None) -> int:
+        if ckpt is None:
+            self.log = MetricsLog()
+            return 0
+        _get(self.server.load_state.remote(ckpt["server"]))
+        by_host: dict[int, dict] = {}
+        for cid, state in ckpt["clients"].items():
+            by_host.setdefault(self.owner(cid), {})[cid] = state
+        _get([self.hosts[h].import_states.remote(states) for h, states in by_host.items()])
+        self.log = MetricsLog.from_table(ckpt["metrics"])
+        return ckpt["round"]
+
+    def _checkpoint(self, rnd: int) -> None:
+        server_state = self._call(self.server.export_state.remote())
+        clients = {}
+        for part in self._call([h.export_states.remote() for h in self.hosts]):
+            clients.update(part)
+        checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
+                         keep=self.cfg.checkpoint.keep)
+
+    def _resume_hint(self) -> str:
+        if self.cfg.checkpoint.every and checkpoint.list_rounds(self.run_dir):
+            return f"resume with: raysim run --resume {self.run_dir}"
+        return f"rerun with: raysim run --resume {self.run_dir} (no checkpoint yet: it restarts from round 1)"
+
+
+class HostLost(Exception):
+    def __init__(self, hosts: list[int], reason: str):
+        super().__init__(f"hosts {hosts} lost: {reason}")
+        self.hosts, self.reason = hosts, reason
 
 
 def lodo_holdouts(cfg) -> list[str]:
@@ -132,17 +292,6 @@ def _eval_requests(cfg, eval_clients: list[int], info: dict) -> dict[int, list[s
     return {c: list(cfg.eval.splits) for c in eval_clients}
 
 
-def _evaluate(cfg, server, hosts, owner, rnd, requests, log, domain_of) -> dict:
-    payload_box, personal = _get(server.broadcast.remote(rnd, list(requests), False))
-    futures = [hosts[h].evaluate.remote(rnd, payload_box, {c: requests[c] for c in cids}, cfg.eval.protocol,
-                                        {c: personal[c] for c in cids if c in personal})
-               for h, cids in _split_by_host(requests, owner).items()]
-    results = {}
-    for part in _get(futures):
-        results.update(part)
-    return log.add_eval(rnd, results, domain_of)
-
-
 def _eval_clients(cfg, n: int) -> list[int]:
     if cfg.eval.clients == "all" or cfg.eval.clients >= n:
         return list(range(n))
@@ -157,6 +306,31 @@ def _split_by_host(client_ids, owner) -> dict[int, list[int]]:
     return dict(sorted(by_host.items()))
 
 
+def _write_status(run_dir: str, **status) -> None:
+    tmp = os.path.join(run_dir, "status.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(status, fh)
+    os.replace(tmp, os.path.join(run_dir, "status.json"))
+
+
+def _alive(actor, timeout: float = 30.0) -> bool:
+    import ray
+    try:
+        ray.get(actor.ping.remote(), timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
+
+
 def _get(refs):
     """ray.get that turns a user error raised inside an actor back into a plain UserError."""
     import ray
@@ -167,5 +341,3 @@ def _get(refs):
         if isinstance(cause, UserError):
             raise UserError(str(cause).splitlines()[0]) from None
         raise
-    except ray.exceptions.ActorDiedError as err:
-        raise UserError(f"a raysim actor died: {str(err).splitlines()[0]}") from None

@@ -21,6 +21,13 @@ class MetricsLog:
     def __init__(self):
         self._cols: dict[str, list] = {c: [] for c in COLUMNS}
 
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "MetricsLog":
+        log = cls()
+        for c in COLUMNS:
+            log._cols[c] = table.column(c).to_pylist()
+        return log
+
     def add(self, rnd: int, client: int, domain: str, split: str, metric: str, value: float) -> None:
         for c, v in zip(COLUMNS, (rnd, client, domain, split, metric, float(value))):
             self._cols[c].append(v)

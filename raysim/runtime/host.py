@@ -143,6 +143,18 @@ class ClientHost:
             out[cid] = {s: evaluate(model, getattr(self.data[cid], s), bs, self.device) for s in requests[cid]}
         return out
 
+    # ------------------------------------------------------------------ checkpoints
+    def ping(self) -> bool:
+        return True
+
+    def export_states(self) -> dict[int, dict]:
+        """Every client's persistent state (spilled ones included), for a checkpoint."""
+        return dict(self.store.items())
+
+    def import_states(self, states: dict[int, dict]) -> None:
+        for cid, state in states.items():
+            self.store.put(int(cid), state)
+
     def memory(self) -> dict:
         import resource
         return {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -107,5 +107,16 @@ class Server:
                 "bytes_down": getattr(self, "_bytes_down", 0),
                 "host_seconds": {r["host"]: r["seconds"] for r in results}}
 
-    def global_state(self) -> dict:
+    # ------------------------------------------------------------------ checkpoints and recovery
+    def ping(self) -> bool:
+        return True
+
+    def export_state(self) -> dict:
         return self.state
+
+    def load_state(self, state: dict) -> None:
+        self.state = state
+
+    def reset(self) -> None:
+        """Back to round 0: the initial global state (reproducible from the config alone)."""
+        self.state = self.method.init_server(self.fed.initial_model())

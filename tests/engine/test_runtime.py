@@ -96,3 +96,21 @@ def test_nan_loss_stops_with_client_and_round_and_keeps_metrics(ray_session, tmp
     with pytest.raises(UserError, match=r"loss became nan for client \d \(domain \w+\) in round \d"):
         run(tiny("train.lr=1e30", "rounds=3", "train.momentum=0.0"), out=str(tmp_path), progress=False)
     assert os.path.isfile(tmp_path / "config.yaml")
+
+
+def test_leave_one_domain_out_trains_on_sources_and_tests_the_unseen_domain(ray_session, tmp_path):
+    run(tiny("eval.protocol=lodo", "eval.holdout=usps", "rounds=1", "runtime.num_hosts=2"),
+        out=str(tmp_path), progress=False)
+    df = metrics(tmp_path / "holdout-usps")
+    trained = df[(df.split == "val") & (df.client >= 0)]
+    assert set(trained.domain) == {"mnist", "mnistm", "synth", "svhn"}
+    target = df[(df.split == "test") & (df.client >= 0)]
+    assert set(target.domain) == {"usps"} and set(target.client) == {4}
+    assert not set(df[df.split == "train"].domain) - {"ALL"}
+    summary = open(tmp_path / "summary.md").read()
+    assert "Leave-one-domain-out" in summary and "| usps | Avg |" in summary
+
+
+def test_unknown_holdout_domain(ray_session, tmp_path):
+    with pytest.raises(UserError, match="eval.holdout = 'nowhere' is not a domain of digits5"):
+        run(tiny("eval.protocol=lodo", "eval.holdout=nowhere"), out=str(tmp_path), progress=False)
