@@ -301,6 +301,8 @@ def validate(cfg: ExperimentConfig) -> None:
     need(r.server_cpus >= 0, "config key 'runtime.server_cpus' must be >= 0")
     need(r.torch_threads is None or r.torch_threads >= 1, "config key 'runtime.torch_threads' must be >= 1")
     need(r.state_memory_mb >= 0, "config key 'runtime.state_memory_mb' must be >= 0")
+    need(r.spill_dir is None or ".." not in Path(r.spill_dir).parts,
+         f"config key 'runtime.spill_dir' = {r.spill_dir!r}: '..' is not allowed in a scratch path")
     need(cfg.checkpoint.every >= 0, f"config key 'checkpoint.every' = {cfg.checkpoint.every}: expected >= 0")
     need(cfg.checkpoint.keep >= 1, f"config key 'checkpoint.keep' = {cfg.checkpoint.keep}: expected >= 1")
     need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
