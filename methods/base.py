@@ -183,6 +183,11 @@ class Method:
         """The one payload every client of the round receives (``ray.put`` once)."""
         return {"global": state["global"]}
 
+    def eval_payload(self, state: dict, round: int) -> dict:
+        """What evaluation after round ``round``'s aggregation receives (gPerXAN adds the averaged
+        BN sides it never broadcasts for training)."""
+        return self.broadcast(state, round)
+
     def client_payload(self, state: dict, client_id: int, round: int) -> dict | None:
         """A payload for one client only (FDSE's personalised mix); None for most methods."""
         return None

@@ -96,15 +96,19 @@ class ExperimentConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
+    # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
+    per_method: dict = field(default_factory=dict)
 
     def method_names(self) -> list[str]:
         return list(self.methods) if self.methods else [self.method]
 
     def for_method(self, name: str) -> "ExperimentConfig":
-        """This config narrowed to one method of a comparison."""
-        one = copy.deepcopy(self)
-        one.method, one.methods = name, None
-        return one
+        """This config narrowed to one method of a comparison, with that method's ``per_method``
+        settings merged in."""
+        raw = self.to_dict()
+        raw.update(method=name, methods=None, per_method={})
+        _merge(raw, self.per_method.get(name) or {})
+        return _build(ExperimentConfig, raw)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,6 +180,14 @@ def _build(cls, raw, prefix: str = ""):
             raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], dotted)
     return cls(**kwargs)
+
+
+def _merge(into: dict, extra: dict) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -257,6 +269,15 @@ def validate(cfg: ExperimentConfig) -> None:
     need(len(set(names)) == len(names), f"'methods' lists a method twice: {names}")
     need(cfg.name is None or (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.name) is not None),
          f"config key 'name' = {cfg.name!r}: expected letters, digits, '.', '_' or '-' (it names the run folder)")
+    for n, extra in cfg.per_method.items():
+        need(n in names, f"config key 'per_method.{n}': {n!r} is not one of the run's methods {names}")
+        need(isinstance(extra, dict), f"config key 'per_method.{n}' must be a mapping of settings")
+        need(not {"method", "methods", "per_method"} & set(extra),
+             f"config key 'per_method.{n}' cannot set method, methods or per_method")
+        try:
+            cfg.for_method(n)  # type-checks the merged settings
+        except UserError as err:
+            raise UserError(f"in per_method.{n}: {err}") from None
     for n, hp in cfg.hp.items():
         need(isinstance(hp, dict), f"config key 'hp.{n}' must map hyperparameter names to values")
         registry.get(n).hparams_from(hp, prefix=f"hp.{n}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from raysim import checkpoint
 from raysim.config import ExperimentConfig, dump_yaml, host_layout, load_config
-from raysim.errors import RunFailed, UserError
+from raysim.errors import RunFailed, TrainingDiverged, UserError
 from raysim.metrics import MetricsLog
 from raysim.progress import Progress
 from raysim.runtime.seeding import SERVER, rng_for
@@ -131,7 +131,8 @@ class FederationRun:
             dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
         t_start = time.perf_counter()
         bar = Progress(cfg.rounds, label=cfg.method, enabled=self.progress)
-        self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus).remote(cfg)
+        self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
+                                                 scheduling_strategy=_server_placement()).remote(cfg)
         round_seconds, last_eval, rnd = [], {}, 0
         try:
             self.info = _get(self.server.start.remote())
@@ -152,6 +153,8 @@ class FederationRun:
                     continue
                 last_eval = evaluation or last_eval
                 round_seconds.append(time.perf_counter() - t0)
+                if evaluation is not None:  # an early-stopped or killed run keeps its rows so far
+                    self.log.write(os.path.join(self.run_dir, "metrics.parquet"))
                 if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0) and rnd < cfg.rounds:
                     self._checkpoint(rnd)
                 bar.update(rnd, summary["train_loss"], last_eval)
@@ -159,7 +162,8 @@ class FederationRun:
                     self.on_round(rnd, summary, evaluation)
                 rnd += 1
             rnd = cfg.rounds
-            _write_status(self.run_dir, finished=True, rounds=rnd)
+            _write_status(self.run_dir, finished=True, rounds=rnd, startup_seconds=startup,
+                          round_seconds=round_seconds, host_restarts=self.host_restarts)
         except KeyboardInterrupt:
             raise RunFailed(f"interrupted in round {rnd}; {self._resume_hint()}") from None
         finally:
@@ -207,7 +211,7 @@ class FederationRun:
             for part in self._call(futures):
                 results.update(part)
         # metrics only once the whole round succeeded, so a replayed round never logs twice
-        self.log.add_round(rnd, summary)
+        self.log.add_round(rnd, summary, self.domain_of)
         evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
         return summary, evaluation
 
@@ -306,6 +310,15 @@ def _split_by_host(client_ids, owner) -> dict[int, list[int]]:
     return dict(sorted(by_host.items()))
 
 
+def _server_placement():
+    """Inside a Tune trial the server takes bundle 0 of the trial's placement group (the hosts take
+    1..H); otherwise Ray places it."""
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    pg = get_current_placement_group()
+    return None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+
+
 def _write_status(run_dir: str, **status) -> None:
     tmp = os.path.join(run_dir, "status.json.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -338,6 +351,8 @@ def _get(refs):
         return ray.get(refs)
     except ray.exceptions.RayTaskError as err:
         cause = getattr(err, "cause", None)
+        if isinstance(cause, TrainingDiverged):
+            raise cause from None
         if isinstance(cause, UserError):
             raise UserError(str(cause).splitlines()[0]) from None
         raise

@@ -44,8 +44,22 @@ class MetricsLog:
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ rows from results
-    def add_round(self, rnd: int, summary: dict) -> None:
-        self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
+    def add_round(self, rnd: int, summary: dict, domain_of=None) -> None:
+        """Training rows: every numeric client metric (loss, a method's diagnostics, footprints),
+        their mean over the round's clients, and the round's communication."""
+        per_client = summary.get("client_metrics", {})
+        names = sorted({k for m in per_client.values() for k, v in m.items() if _is_number(v)})
+        for name in names:
+            values = []
+            for cid in sorted(per_client):
+                v = per_client[cid].get(name)
+                if _is_number(v):
+                    values.append(float(v))
+                    if domain_of is not None:
+                        self.add(rnd, cid, domain_of(cid), "train", name, v)
+            self.add(rnd, -1, "ALL", "train", name, float(np.mean(values)))
+        if "loss" not in names:
+            self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
         self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
         self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
 
@@ -79,6 +93,10 @@ class MetricsLog:
                 self.add(rnd, -1, "ALL", split, "loss", total[1] / total[2])
                 headline[split] = {"AVG": avg, "ALL": all_}
         return headline
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def read(path: str):

@@ -33,9 +33,10 @@ class Federation:
         from raysim.data.partition import leave_one_domain_out, make_partition
         spec = dict(self.cfg.data.partition)
         holdout = spec.pop("holdout", None)
+        target_test = spec.pop("target_test", "all")  # "test": the target's test split only (CSAC-VLCS)
         if holdout is None:
             return make_partition(self.dataset, spec, self.cfg.seed), None
-        return leave_one_domain_out(self.dataset, holdout, spec, self.cfg.seed)
+        return leave_one_domain_out(self.dataset, holdout, spec, self.cfg.seed, target_test=target_test)
 
     @property
     def partition(self):

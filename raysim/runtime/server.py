@@ -66,7 +66,7 @@ class Server:
         that each host fetches it from the object store itself.
         """
         import ray
-        payload = self.method.broadcast(self.state, rnd)
+        payload = self.method.broadcast(self.state, rnd) if for_training else self.method.eval_payload(self.state, rnd)
         personal = {}
         down = tensors_nbytes(payload) * len(client_ids)
         for cid in client_ids:
