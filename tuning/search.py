@@ -1,0 +1,503 @@
+"""``raysim tune``: hyperparameter search on Ray Tune with Optuna's sampler.
+
+    spec (tune config)  ->  Tuner(raysim_trial with a placement group per federation,
+                                  ConcurrencyLimiter(OptunaSearch(sampler, on-disk storage)),
+                                  ASHA / median / no scheduler on the per-round reports)
+                        ->  trials.parquet, best.yaml, search.png
+
+The search directory (``--out``, default ``runs/tune/<name>``) holds everything: ``search.yaml``
+(the resolved search, compared on resume), ``optuna.journal`` (the Optuna study), ``tune/`` (Tune's
+experiment state), ``trials/<NNN_id>/`` (each federation's run directory) and the outputs.
+Running the same command again on an interrupted search restores it: finished trials are kept
+(and never re-run), unfinished ones start over, and the remaining ones are sampled.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+
+import yaml
+
+from raysim.errors import UserError
+from raysim.tuning import outputs
+from raysim.tuning import space as sp
+from raysim.tuning.spec import SAMPLERS, TuneSpec, load_spec
+from raysim.tuning.trial import (TrialContext, check_fits, make_trainable, num_hosts_for, read_json,
+                                 trial_bundles)
+
+STUDY = "raysim"
+EXPERIMENT = "tune"  # Tune's experiment folder inside the search directory
+BACKUP = "tune-backup"  # the last readable copy of Tune's experiment state
+
+from ray.tune import Callback
+from ray.tune.search.optuna import OptunaSearch
+
+
+def main(path, overrides=(), out: str | None = None, address: str | None = None) -> int:
+    """Run (or resume) the search described by the tune config at ``path``; returns an exit code."""
+    _quiet()
+    spec = load_spec(path, list(overrides or []))
+    out = os.path.abspath(out or os.path.join("runs", "tune", spec.name))
+    result = run_search(spec, out, address=address)
+    return result["exit_code"]
+
+
+def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print) -> dict:
+    """The search itself (also the programmatic entry point); returns the trials table and paths."""
+    _quiet()
+    from ray import tune
+    from raysim.runtime.cluster import ray_session
+
+    make_sampler(spec), make_scheduler(spec)  # option mistakes fail before anything is written
+    resume = prepare_dir(out, spec)
+    base = spec.base_config()
+    address = address or base.runtime.address
+    local = not (address or os.environ.get("RAY_ADDRESS"))
+    run_raw = spec.run_experiment()
+    echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
+         f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
+    echo(f"  space: {sp.describe(spec.space)}")
+    with ray_session(address, base.runtime):
+        bundles = trial_bundles(base.runtime, num_hosts_for(run_raw), spec.resources["trial_cpus"])
+        check_fits(bundles, local)
+        ctx = TrialContext(run_experiment=run_raw, search_dir=out, rounds=spec.rounds)
+        trainable = make_trainable(ctx, bundles, spec.resources["strategy"])
+        exp_dir = os.path.join(out, EXPERIMENT)
+        if resume:
+            done = _count_finished(out)
+            echo(f"  resuming the search in {out} ({done} of {spec.trials} trials finished earlier)"
+                 if done < spec.trials else f"  the search in {out} is complete; rewriting its outputs")
+            tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True,
+                                       resume_errored=False, restart_errored=False)
+        else:
+            echo(f"  search directory: {out}; one trial = {len(bundles) - 1} host(s), bundles {bundles}")
+            tuner = build_tuner(spec, trainable, out)
+        grid = tuner.fit()
+        rows = collect_rows(grid, spec, out)
+    return finish(spec, rows, out, echo)
+
+
+def build_tuner(spec: TuneSpec, trainable, out: str):
+    from ray import tune
+    from ray.tune.search import ConcurrencyLimiter
+
+    searcher = make_searcher(spec, out)
+    tune_config = tune.TuneConfig(
+        search_alg=ConcurrencyLimiter(searcher, max_concurrent=spec.max_concurrent),
+        scheduler=make_scheduler(spec), num_samples=spec.trials, reuse_actors=False,
+        trial_name_creator=trial_name, trial_dirname_creator=trial_name)
+    run_config = tune.RunConfig(
+        name=EXPERIMENT, storage_path=out, verbose=0, callbacks=[Progress(spec.metric, spec.trials, out)],
+        failure_config=tune.FailureConfig(max_failures=0),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1))
+    return tune.Tuner(trainable, tune_config=tune_config, run_config=run_config)
+
+
+# ----------------------------------------------------------------------------- search pieces
+
+def make_sampler(spec: TuneSpec):
+    import optuna
+
+    opts = {k: v for k, v in spec.sampler.items() if k not in ("kind",)}
+    kind = spec.sampler["kind"]
+    if kind == "tpe" and spec.max_concurrent > 1:
+        opts.setdefault("constant_liar", True)  # concurrent trials: do not sample on top of each other
+    if kind == "qmc":
+        opts.setdefault("scramble", True)
+    cls = getattr(optuna.samplers, SAMPLERS[kind])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cls(**opts)
+    except (TypeError, ValueError, ImportError) as err:
+        raise UserError(f"sampler {kind} with {opts}: {str(err).splitlines()[0]}") from None
+
+
+def make_searcher(spec: TuneSpec, out: str):
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = JournalStorage(JournalFileBackend(os.path.join(out, "optuna.journal")))
+    return RaysimOptunaSearch(space=sp.to_optuna(spec.space), metric=spec.metric, mode=spec.mode,
+                              sampler=make_sampler(spec), study_name=STUDY, storage=storage,
+                              points_to_evaluate=[dict(p) for p in spec.initial_points] or None)
+
+
+def make_scheduler(spec: TuneSpec):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
+
+    s = dict(spec.scheduler)
+    kind = s.pop("kind")
+    if kind == "none":
+        return FIFOScheduler()
+    try:
+        if kind == "asha":
+            return ASHAScheduler(time_attr="round", metric=spec.metric, mode=spec.mode, max_t=spec.rounds, **s)
+        return MedianStoppingRule(time_attr="round", metric=spec.metric, mode=spec.mode, **s)
+    except (TypeError, ValueError, AssertionError) as err:
+        raise UserError(f"scheduler {kind}: {str(err).splitlines()[0]}") from None
+
+
+class RaysimOptunaSearch(OptunaSearch):
+    """OptunaSearch over an on-disk study that survives being restored.
+
+    The study lives in ``optuna.journal`` and can be ahead of Tune's last experiment snapshot:
+    a trial may already be complete in the study when Tune replays it, and a trial asked for
+    after the snapshot is unknown to Tune. The first is ignored, the second marked failed.
+    """
+
+    def on_trial_result(self, trial_id, result):
+        import optuna
+        try:
+            super().on_trial_result(trial_id, result)
+        except (optuna.exceptions.UpdateFinishedTrialError, KeyError):
+            pass
+
+    def on_trial_complete(self, trial_id, result=None, error=False):
+        if trial_id in self._ot_trials:
+            super().on_trial_complete(trial_id, result=result, error=error)
+
+    def restore(self, checkpoint_path):
+        super().restore(checkpoint_path)
+        from optuna.trial import TrialState
+        known = {t.number for t in self._ot_trials.values()}
+        for t in self._ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t.number not in known:
+                try:
+                    self._ot_study.tell(t.number, state=TrialState.FAIL)
+                except Exception:  # already settled by another path
+                    pass
+
+
+def trial_name(trial) -> str:
+    """``003_1f46143d``: the trial's number (Tune's creation counter, from 1) and its id."""
+    return f"{trial_number(trial.experiment_tag):03d}_{trial.trial_id}"
+
+
+class Progress(Callback):
+    """One line per finished trial instead of Tune's status tables; and a backup of Tune's last
+    readable experiment state (Tune copies its state into the search directory in place, so a
+    search killed during that copy would leave nothing to restore from)."""
+
+    def __init__(self, metric: str, total: int, out: str):
+        self.metric, self.total, self.finished, self.out = metric, total, 0, out
+        self.exp_dir, self.backup_dir = os.path.join(out, EXPERIMENT), os.path.join(out, BACKUP)
+        self._last_check, self._last_sig = 0.0, None
+
+    def on_step_end(self, iteration, trials, **info):
+        now = time.monotonic()
+        if now - self._last_check >= 0.5:
+            self._last_check = now
+            self._last_sig = backup_state(self.exp_dir, self.backup_dir, self._last_sig)
+
+    def _count(self, trials, trial) -> int:
+        return 1 + sum(1 for t in trials if t is not trial and t.status in ("TERMINATED", "ERROR"))
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self.finished = self._count(trials, trial)
+        r = trial.last_result or {}
+        value = r.get(self.metric)
+        shown = "-" if value is None else f"{value:.4f}"
+        reason = stop_reason(r, error=False)
+        note = " (finished before the restore; not re-run)" if r.get("replayed") else ""
+        params = ", ".join(f"{sp.short_name(k)}={outputs._fmt(v)}" for k, v in (trial.config or {}).items())
+        self._mark(trial, reason)
+        print(f"  trial {trial_number(trial.experiment_tag)} [{self.finished}/{self.total}] {params}: "
+              f"{self.metric} {shown} after round {r.get('round', 0)}/{r.get('rounds_total', '?')} "
+              f"({reason}){note}", flush=True)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self.finished = self._count(trials, trial)
+        err = None
+        try:
+            err = trial.get_pickled_error() or trial.get_error()
+        except Exception:
+            pass
+        self._mark(trial, "error")
+        print(f"  trial {trial_number(trial.experiment_tag)} [{self.finished}/{self.total}] failed: "
+              f"{error_line(err)}", flush=True)
+
+    def _mark(self, trial, reason: str) -> None:
+        """``trials/<name>/finished``: the driver's record that Tune is done with the trial."""
+        try:
+            d = os.path.join(self.out, "trials", trial_name(trial))
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "finished"), "w") as fh:
+                fh.write(reason + "\n")
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- Tune's state files
+
+STATE_FILES = ("experiment_state-{}.json", "search_gen_state-{}.json", "searcher-state-{}.pkl")
+
+
+def _state_groups(exp_dir: str) -> list[str]:
+    """Session stamps of the saved experiment states, oldest first."""
+    names = glob.glob(os.path.join(exp_dir, "experiment_state-*.json"))
+    return sorted(os.path.basename(n)[len("experiment_state-"):-len(".json")] for n in names)
+
+
+def _valid(path: str) -> bool:
+    try:
+        if os.path.basename(path).startswith("experiment_state-"):
+            with open(path, encoding="utf-8") as fh:
+                json.load(fh)
+            return True
+        with open(path, "rb") as fh:  # the others are pickles: a complete one ends with STOP
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) == b"."
+    except (OSError, ValueError):
+        return False
+
+
+def _group_ok(exp_dir: str, stamp: str) -> bool:
+    return all(_valid(os.path.join(exp_dir, t.format(stamp))) for t in STATE_FILES)
+
+
+def backup_state(exp_dir: str, backup_dir: str, last_sig=None):
+    """Copy the newest state into ``backup_dir`` when it changed and is readable."""
+    groups = _state_groups(exp_dir)
+    if not groups:
+        return last_sig
+    stamp = groups[-1]
+    paths = [os.path.join(exp_dir, t.format(stamp)) for t in STATE_FILES]
+    try:
+        sig = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths)
+    except OSError:
+        return last_sig
+    if sig == last_sig or not _group_ok(exp_dir, stamp):
+        return last_sig
+    os.makedirs(backup_dir, exist_ok=True)
+    for old in os.listdir(backup_dir):
+        if stamp not in old:
+            os.remove(os.path.join(backup_dir, old))
+    for p in paths:
+        tmp = os.path.join(backup_dir, "." + os.path.basename(p) + ".tmp")
+        shutil.copyfile(p, tmp)
+        os.replace(tmp, os.path.join(backup_dir, os.path.basename(p)))
+    return sig
+
+
+def repair_state(exp_dir: str, backup_dir: str) -> bool:
+    """Make the newest saved state readable before a restore: a state cut short by a kill is
+    replaced by the backup (or dropped, falling back to an older one). True if one remains."""
+    groups = _state_groups(exp_dir)
+    if groups and _group_ok(exp_dir, groups[-1]):
+        return True
+    backups = _state_groups(backup_dir) if os.path.isdir(backup_dir) else []
+    for stamp in groups:  # drop every unreadable group; Tune picks the newest by name
+        if not _group_ok(exp_dir, stamp):
+            for t in STATE_FILES:
+                p = os.path.join(exp_dir, t.format(stamp))
+                if os.path.exists(p):
+                    os.remove(p)
+    if backups and _group_ok(backup_dir, backups[-1]):
+        for t in STATE_FILES:
+            name = t.format(backups[-1])
+            shutil.copyfile(os.path.join(backup_dir, name), os.path.join(exp_dir, name))
+    groups = _state_groups(exp_dir)
+    return bool(groups) and _group_ok(exp_dir, groups[-1])
+
+
+# ----------------------------------------------------------------------------- results
+
+def trial_number(name: str) -> int:
+    """The number in front of a trial's name or experiment tag (``3_lr=0.1``, ``003_1f46143d``)."""
+    try:
+        return int(str(name).split("_", 1)[0])
+    except ValueError:
+        return 0
+
+
+def stop_reason(metrics: dict, error: bool, finished: bool = True) -> str:
+    if error:
+        return "error"
+    if not metrics or "round" not in metrics:
+        return "unfinished"
+    if metrics.get("diverged"):
+        return "diverged"
+    if metrics["round"] >= metrics.get("rounds_total", metrics["round"]):
+        return "completed"
+    return "early_stopped" if finished else "unfinished"
+
+
+def error_line(err) -> str:
+    """One line for a trial's exception: a UserError's own message, else the last line."""
+    if err is None:
+        return "unknown error"
+    seen = set()
+    e = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return str(e).splitlines()[0] if str(e) else type(e).__name__
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    text = [line for line in str(err).splitlines() if line.strip()]
+    for line in reversed(text):
+        if "UserError:" in line or "TrainingDiverged:" in line:
+            return line.split("Error:", 1)[1].strip()
+    return (text[-1] if text else type(err).__name__)[:300]
+
+
+def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
+    """One row per trial from Tune's ResultGrid (plus each trial's ledger for attempts)."""
+    statuses = {}
+    try:  # trial status tells an interrupted trial from one a scheduler stopped
+        statuses = {t.trial_id: t.status for t in grid._experiment_analysis.trials}
+    except AttributeError:
+        pass
+    rows = []
+    for result in grid:
+        m = dict(result.metrics or {})
+        config = dict(result.config or {})
+        name = os.path.basename(str(result.path).rstrip("/"))  # trial_name(): "003_1f46143d"
+        trial_id = m.get("trial_id") or name.split("_", 1)[-1]
+        status = statuses.get(trial_id)
+        finished = status in (None, "TERMINATED", "ERROR")
+        run_dir = os.path.join(out, "trials", name)
+        ledger = read_json(os.path.join(run_dir, "result.json")) or {}
+        attempts = _read_int(os.path.join(run_dir, "attempts"), m.get("attempt", 0))
+        row = {"trial": trial_number(name), "trial_id": trial_id,
+               **{k: sp.plain(config.get(k)) for k in spec.space},
+               "objective": m.get(spec.metric), "val_avg_final": m.get("val_avg"),
+               "val_avg_best": m.get("val_avg_best"), "val_all_final": m.get("val_all"),
+               "val_all_best": m.get("val_all_best"), "train_loss_final": m.get("train_loss"),
+               "rounds_run": m.get("round", 0), "rounds": spec.rounds,
+               "stop_reason": stop_reason(m, result.error is not None, finished),
+               "attempts": attempts, "seconds": ledger.get("seconds", m.get("time_total_s")),
+               "error": error_line(result.error) if result.error is not None else None,
+               "run_dir": run_dir}
+        rows.append(row)
+    return rows
+
+
+def finish(spec: TuneSpec, rows: list[dict], out: str, echo=print) -> dict:
+    """Write the three outputs and print the table; the exit code says how it went."""
+    df = outputs.trials_frame(rows, list(spec.space))
+    outputs.write_trials(df, os.path.join(out, "trials.parquet"))
+    best = outputs.pick_best(df, spec.mode)
+    best_path = os.path.join(out, "best.yaml")
+    if best is not None:
+        outputs.write_best(spec, best, best_path, out)
+    outputs.plot_search(df, spec, os.path.join(out, "search.png"), best)
+    echo("")
+    echo(outputs.format_table(df, spec))
+    counts = df["stop_reason"].value_counts().to_dict()
+    echo("")
+    echo(f"{len(df)} trials: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items()))
+    unfinished = counts.get("unfinished", 0) + max(0, spec.trials - len(df))
+    if best is not None:
+        echo(f"best: trial {int(best['trial'])}, {spec.metric} = {best['objective']:.4f} "
+             f"-> {best_path} (re-run: raysim run {_shown(best_path)})")
+    echo(f"wrote {os.path.join(out, 'trials.parquet')}, search.png" + (", best.yaml" if best is not None else ""))
+    if unfinished:
+        echo(f"{unfinished} trial(s) unfinished: run the same command again to continue the search")
+        code = 130
+    elif best is None:
+        errors = df[df["error"].notna()]
+        first = errors["error"].iloc[0] if len(errors) else "no trial reported a validation metric"
+        raise UserError(f"no trial of the search finished: {first}")
+    else:
+        code = 0
+    return {"exit_code": code, "trials": df, "best": best, "out": out}
+
+
+# ----------------------------------------------------------------------------- the directory
+
+def prepare_dir(out: str, spec: TuneSpec) -> bool:
+    """Create or check the search directory; True when it holds a search to resume."""
+    from ray import tune
+
+    record = _normalise(spec.record())
+    rec_path = os.path.join(out, "search.yaml")
+    exp_dir = os.path.join(out, EXPERIMENT)
+    if os.path.isfile(rec_path):
+        with open(rec_path, encoding="utf-8") as fh:
+            old = yaml.safe_load(fh) or {}
+        diff = _diff(old, record)
+        if diff:
+            raise UserError(f"{out} holds a different search ({'; '.join(diff[:4])}); rerun it with the "
+                            "same config and overrides to resume it, or choose a new --out")
+        if tune.Tuner.can_restore(exp_dir) and repair_state(exp_dir, os.path.join(out, BACKUP)):
+            return True
+        for stale in ("optuna.journal", EXPERIMENT, BACKUP):  # interrupted before Tune saved anything
+            p = os.path.join(out, stale)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+    elif os.path.isdir(out) and os.listdir(out):
+        raise UserError(f"{out} exists and is not a raysim search directory; choose another --out")
+    os.makedirs(out, exist_ok=True)
+    tmp = rec_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("# The resolved search (raysim tune). A rerun of the same search resumes it.\n")
+        yaml.safe_dump(record, fh, sort_keys=False)
+    os.replace(tmp, rec_path)
+    return False
+
+
+def _normalise(obj):
+    return yaml.safe_load(yaml.safe_dump(obj, sort_keys=False))
+
+
+def _diff(old, new, prefix="") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in list(old) + [k for k in new if k not in old]:
+            out += _diff(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    if old != new:
+        return [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+    return []
+
+
+def _shown(path: str) -> str:
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _count_finished(out: str) -> int:
+    d = os.path.join(out, "trials")
+    if not os.path.isdir(d):
+        return 0
+    return sum(os.path.isfile(os.path.join(d, t, "result.json")) or os.path.isfile(os.path.join(d, t, "finished"))
+               for t in os.listdir(d))
+
+
+def _read_int(path: str, default=0) -> int:
+    try:
+        with open(path) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return int(default or 0)
+
+
+def _quiet() -> None:
+    """Keep Ray Tune and Optuna to warnings; our own lines say what happens."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")  # snapshot often: cheap next to a federation
+    try:
+        import optuna
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    except ImportError:  # pragma: no cover
+        pass
+    logging.getLogger("ray.tune").setLevel(logging.WARNING)
+    # a restored trial that never reported has no result files yet; Tune warns about each
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="optuna")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+
+
+if __name__ == "__main__":  # python -m raysim.tuning.search CONFIG [key=value ...]
+    from raysim.cli import main as cli_main
+    sys.exit(cli_main(["tune", *sys.argv[1:]]))
