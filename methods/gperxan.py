@@ -81,7 +81,7 @@ class GFedAvgHparams(Hparams):
 @dataclass(frozen=True)
 class GPerXANHparams(GFedAvgHparams):
     norm: str = "perxan"  # perxan | xan (not personalized) | ibn (IBN-Net-a) | bn   (Table 4)
-    stages: str = "auto"  # which BNs are replaced: auto | all | comma list of stem, layer1..4, slot names
+    stages: str = "auto"  # which BNs are replaced: auto | all | comma list of stages (stem, layer1..4; denseblockN, transitionN, final) or slot names
     #                       (PACS: all = stem + layer1-4; Office-Home: "stem,layer1,layer2")
     mix: str = "softmax"  # softmax of the two scores (code; the paper's "ratios") | linear (raw Eq. 2)
     score_init: str = "random"  # random: U[0,1) scores (paper: "randomly initialized") | ones (code)
@@ -206,27 +206,25 @@ class GPerXAN(GFedAvg):
     def init_server(self, model: nn.Module) -> dict:
         """``global`` holds f_g whole (BN sides included); ``local`` names the BN-side keys."""
         return {"global": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "local": sorted(self.personal_keys(model)), "round": 0}
+                "local": sorted(self.personal_keys(model))}
 
     def broadcast(self, state: dict, round: int) -> dict:
-        """Training (round t, f_g of round t-1): f_g without the BN sides (Alg. 1 lines 5-9).
-
-        After round t's aggregation the engine asks for round t's payload again to evaluate
-        f_g (source validation, unseen domains): that payload is f_g whole, with the averaged
-        BN sides, which only ``global_eval_model`` reads (clients never load them).
-        """
-        if state.get("round", 0) >= round:  # f_g of this round already exists: evaluation
-            return {"global": state["global"]}
+        """Training (round t, f_g of round t-1): f_g without the BN sides (Alg. 1 lines 5-9)."""
         local = set(state["local"])
         return {"global": {k: v for k, v in state["global"].items() if k not in local}}
+
+    def eval_payload(self, state: dict, round: int) -> dict:
+        """Evaluation of f_g (source validation, unseen domains): f_g whole, with the averaged BN
+        sides, which only ``global_eval_model`` reads (clients never load them)."""
+        return {"global": state["global"]}
 
     def aggregate(self, state: dict, uploads, round: int) -> dict:
         """Eq. 1 over every tensor (the engine's n_i-weighted mean), BN sides included."""
         if uploads.mean is None:
-            return {**state, "round": round}
+            return state
         new_global = dict(state["global"])
         new_global.update(uploads.mean)
-        return {**state, "global": new_global, "round": round}
+        return {**state, "global": new_global}
 
     # ---- client ---------------------------------------------------------------------------
     def load_client_model(self, model: nn.Module, payload: dict, state: dict) -> None:

@@ -259,7 +259,7 @@ def test_clients_keep_their_own_bn_sides_across_rounds():
     for k in ("features.bn1.inst.weight", "features.bn1.score_in", "head.weight", "features.conv1.bias"):
         assert torch.equal(sd[k], mean[k])
     # even a payload that holds BN sides (the evaluation one) never overwrites a client's own
-    m.load_client_model(model, m.broadcast(server, 1), states[1])
+    m.load_client_model(model, m.eval_payload(server, 1), states[1])
     assert torch.equal(model.features.bn1.bn.running_mean, states[1]["personal"]["features.bn1.bn.running_mean"])
 
 
@@ -267,8 +267,9 @@ def test_unseen_domain_model_uses_the_averaged_bn_side():
     m = method()
     model, server, states, uploads, mean = federate_one_round(m)
     p0, p1 = states[0]["personal"], states[1]["personal"]
-    # the evaluation payload of round 1 (asked for after round 1's aggregation) is f_g whole
-    payload = m.broadcast(server, 1)
+    # the evaluation payload (after round 1's aggregation) is f_g whole; training's never is
+    payload = m.eval_payload(server, 1)
+    assert m.personal_keys(model) <= set(payload["global"]) and not m.personal_keys(model) & set(m.broadcast(server, 1)["global"])
     fresh = tiny_net(xan=True, seed=9)
     g = m.global_eval_model(fresh, payload)
     layer = g.features.bn1
@@ -288,7 +289,7 @@ def test_unseen_domain_model_uses_the_averaged_bn_side():
     assert torch.allclose(g(x), F.linear(z, mean["head.weight"], mean["head.bias"]), atol=1e-5)
     # the training payload cannot build it: it lacks the BN sides
     with pytest.raises(RuntimeError, match="averaged BN sides"):
-        m.global_eval_model(tiny_net(xan=True), m.broadcast(server, 2))
+        m.global_eval_model(tiny_net(xan=True), m.broadcast(server, 1))
 
 
 # ----------------------------------------------------------------------------- the regularizer
