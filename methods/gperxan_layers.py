@@ -87,7 +87,12 @@ class IBN(nn.Module):
 
 # ----------------------------------------------------------------------------- placement
 
-_STAGE = re.compile(r"^(layer\d+|denseblock\d+|transition\d+)$")
+_STAGE = re.compile(r"^(layer\d+|denseblock\d+|transition\d+|final)$")
+
+# Sec. 4.2, Camelyon17 (DenseNet-121): "BN layers in the first dense block and the following
+# transition block" -> XAN (6 dense layers x 2 + 1 = 13 layers); the stem's bn0 stays plain BN
+# (the spec's literal reading; add "stem" to include it).
+DENSENET_XAN_STAGES = ("denseblock1", "transition1")
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, str]]:
@@ -99,9 +104,10 @@ def _candidates(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def stage_of(rel: str) -> str:
-    """The stage a trunk BN belongs to: ``layerK``/``denseblockK``/``transitionK`` of a
-    residual/dense net, else ``stem`` (norms outside every stage: ResNet's ``bn1``; every norm
-    of a plain CNN such as cnn6 / small_cnn)."""
+    """The stage a trunk BN belongs to: ``layerK`` of a residual net, ``denseblockK`` /
+    ``transitionK`` / ``final`` (the norm after the last block, torchvision's norm5) of a dense
+    net, else ``stem`` (norms outside every stage: ResNet's ``bn1``, DenseNet's ``bn0``; every
+    norm of a plain CNN such as cnn6 / small_cnn)."""
     first = rel.split(".")[0]
     return first if _STAGE.match(first) else "stem"
 
@@ -110,15 +116,23 @@ def select(model: nn.Module, stages: str, kind: str) -> list[str]:
     """Full names of the BatchNorm2d layers ``kind`` ("xan" | "ibn") replaces.
 
     ``stages``: "all" (every BN of the trunk), "auto" (xan: all, the official code's PACS
-    rule; ibn: IBN-Net-a's layer1-layer3 on a ResNet, every BN on a plain CNN), or a comma
-    list of stages (``stem``, ``layer1``, ...) and/or exact slot names inside ``features``
-    (``bn1``, ``layer2.0.downsample.bn``). For ibn, inside residual stages only the first
-    norm of each block (``layerK.i.bn1``) is replaced, as in IBN-Net-a.
+    rule, except on a DenseNet: denseblock1 + transition1, the paper's Camelyon17 rule;
+    ibn: IBN-Net-a's layer1-layer3 on a ResNet, every BN on a plain CNN), or a comma list of
+    stages (``stem``, ``layer1``, ``denseblock1``, ``transition1``, ``final``, ...) and/or
+    exact slot names inside ``features`` (``bn1``, ``layer2.0.downsample.bn``). For ibn,
+    inside residual stages only the first norm of each block (``layerK.i.bn1``) is replaced,
+    as in IBN-Net-a; ibn has no rule for a DenseNet.
     """
     cands = _candidates(model)
     present = sorted({stage_of(rel) for _, rel in cands})
+    dense = any(s.startswith("denseblock") for s in present)
+    if kind == "ibn" and dense:
+        raise UserError("gperxan: norm=ibn (IBN-Net-a's I-BN, Table 4's ablation on ResNet-50) has no "
+                        "placement rule for a DenseNet; use norm=xan/perxan/bn")
     spec = stages.strip()
-    if spec == "auto":
+    if spec == "auto" and kind == "xan" and dense:
+        spec = ",".join(s for s in DENSENET_XAN_STAGES if s in present)
+    elif spec == "auto":
         spec = "all" if kind == "xan" or not any(s.startswith("layer") for s in present) \
             else ",".join(s for s in ("layer1", "layer2", "layer3") if s in present)
     if spec == "all":

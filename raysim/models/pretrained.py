@@ -2,8 +2,12 @@
 
 A file is a state_dict saved with ``torch.save``, in either key layout:
 
-* torchvision's (``conv1.weight``, ``layer1.0.downsample.1.weight``, ``fc.weight``), as
+* torchvision's ResNet (``conv1.weight``, ``layer1.0.downsample.1.weight``, ``fc.weight``), as
   ``torchvision.models.resnet18(weights=...).state_dict()`` produces;
+* torchvision's DenseNet (``features.norm0``, ``features.denseblock1.denselayer1.norm1``,
+  ``features.transition1.norm``, ``features.norm5``, ``classifier``), as
+  ``torchvision.models.densenet121(weights=...).state_dict()`` produces, or with the legacy
+  ``denselayer1.norm.1`` names of the file torchvision downloads (``densenet121-a639ec97.pth``);
 * raysim's (``features.*``, ``head.*``, ``downsample.conv``/``downsample.bn``), as
   ``build(...).state_dict()`` produces.
 
@@ -31,8 +35,26 @@ def _is_norm_key(key: str) -> bool:
     return any("bn" in part for part in key.split(".")[:-1])
 
 
+# A torchvision DenseNet file: its norm slots are named norm* (raysim's are bn*).
+_TV_DENSENET = re.compile(r"^features\.(norm0|norm5|transition\d+\.norm|denseblock\d+\.denselayer\d+\.norm)")
+
+
+def _densenet_key(key: str) -> str:
+    """torchvision DenseNet key -> raysim's :mod:`raysim.models.densenet_tv` key."""
+    if key.startswith("classifier."):
+        return "head." + key[len("classifier."):]
+    # legacy names (the downloadable file): denselayerM.norm.1 -> denselayerM.norm1, conv.2 -> conv2
+    key = re.sub(r"(\.denselayer\d+\.(?:norm|conv))\.([12])\.", r"\1\2.", key)
+    key = re.sub(r"^features\.norm0\.", "features.bn0.", key)
+    key = re.sub(r"^features\.norm5\.", "features.final.bn.", key)
+    key = re.sub(r"(\.denselayer\d+)\.norm([12])\.", r"\1.bn\2.", key)
+    return re.sub(r"(\.transition\d+)\.norm\.", r"\1.bn.", key)
+
+
 def to_raysim_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map torchvision keys to raysim keys; raysim-layout dicts pass through unchanged."""
+    if any(_TV_DENSENET.match(k) for k in state):  # before the prefix test: its keys are features.*
+        return {_densenet_key(k): v for k, v in state.items()}
     if all(k.startswith(("features.", "head.")) for k in state):
         return dict(state)
     out = {}

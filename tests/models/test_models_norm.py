@@ -10,7 +10,8 @@ from raysim.models import available, build, gn_groups, is_norm, make_norm
 # are covered in test_models_zoo.
 SMALL = {"alexnet": dict(input_size=96, hidden=128), "alexnet_fdse": dict(input_size=96, hidden=128),
          "resnet10": dict(input_size=16), "resnet18": dict(input_size=16),
-         "resnet18_tv": dict(input_size=64), "resnet50_tv": dict(input_size=64)}
+         "resnet18_tv": dict(input_size=64), "resnet50_tv": dict(input_size=64),
+         "densenet121_tv": dict(input_size=64)}  # "in" needs > 1x1 at the last norm
 FC_NORM_MODELS = {"alexnet_fdse"}  # BN1d between FC layers: instance norm is undefined there
 
 

@@ -16,6 +16,7 @@ EXACT_PARAMS = {
     "resnet18": (11_173_962, "DapperFL Table 6: #Para = (1-rho) x 11.17M"),
     "resnet18_tv": (11_181_642, "torchvision resnet18 (11,689,512) with a 10-class fc"),
     "resnet50_tv": (23_528_522, "torchvision resnet50 (25,557,032) with a 10-class fc"),
+    "densenet121_tv": (6_964_106, "torchvision densenet121 (7,978,856) with a 10-class head"),
     "mnist_cnn": (3_274_634, "CSAC spec [rec] widths (paper gives none)"),
     "small_cnn": (145_930, "raysim's own cross-device CNN at 3x32x32"),
 }
@@ -23,7 +24,8 @@ EXACT_PARAMS = {
 PAPER_INPUT = {
     "cnn6": (3, 28, 28), "alexnet": (3, 256, 256), "alexnet_fdse": (3, 256, 256),
     "resnet10": (3, 32, 32), "resnet18": (3, 32, 32), "resnet18_tv": (3, 224, 224),
-    "resnet50_tv": (3, 224, 224), "mnist_cnn": (1, 28, 28), "small_cnn": (3, 32, 32),
+    "resnet50_tv": (3, 224, 224), "densenet121_tv": (3, 224, 224), "mnist_cnn": (1, 28, 28),
+    "small_cnn": (3, 32, 32),
 }
 
 
@@ -85,7 +87,7 @@ def test_forward_at_paper_input(zoo, name):
     assert {k for k in model.state_dict() if "bn" in k} == norm_keys
     z = captured[0]
     assert z.shape == (2, model.feature_dim)
-    if name not in ("alexnet", "alexnet_fdse", "resnet18_tv", "resnet50_tv"):
+    if name not in ("alexnet", "alexnet_fdse", "resnet18_tv", "resnet50_tv", "densenet121_tv"):
         with torch.no_grad():
             torch.testing.assert_close(model.features(x), z)
     torch.testing.assert_close(model.head(z), out)
@@ -110,7 +112,8 @@ def test_cifar_resnet_runs_at_28():
 
 def test_feature_dims(zoo):
     dims = {"cnn6": 512, "alexnet": 4096, "alexnet_fdse": 1024, "resnet10": 512, "resnet18": 512,
-            "resnet18_tv": 512, "resnet50_tv": 2048, "mnist_cnn": 1024, "small_cnn": 64}
+            "resnet18_tv": 512, "resnet50_tv": 2048, "densenet121_tv": 1024, "mnist_cnn": 1024,
+            "small_cnn": 64}
     assert {name: model.feature_dim for name, model in zoo.items()} == dims
 
 
