@@ -349,9 +349,10 @@ def error_line(err) -> str:
 
 def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
     """One row per trial from Tune's ResultGrid (plus each trial's ledger for attempts)."""
-    statuses = {}
+    statuses, configs = {}, {}
     try:  # trial status tells an interrupted trial from one a scheduler stopped
-        statuses = {t.trial_id: t.status for t in grid._experiment_analysis.trials}
+        for t in grid._experiment_analysis.trials:
+            statuses[t.trial_id], configs[t.trial_id] = t.status, dict(t.config or {})
     except AttributeError:
         pass
     rows = []
@@ -361,6 +362,7 @@ def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
         name = os.path.basename(str(result.path).rstrip("/"))  # trial_name(): "003_1f46143d"
         trial_id = m.get("trial_id") or name.split("_", 1)[-1]
         status = statuses.get(trial_id)
+        config = config or configs.get(trial_id, {})
         finished = status in (None, "TERMINATED", "ERROR")
         run_dir = os.path.join(out, "trials", name)
         ledger = read_json(os.path.join(run_dir, "result.json")) or {}

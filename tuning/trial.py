@@ -54,9 +54,14 @@ def num_hosts_for(run_raw: dict) -> int:
     """
     import ray
     from raysim.config import host_layout, load_config
-    from raysim.experiment import _get
 
-    n = _get(ray.remote(num_cpus=0, max_retries=0)(_count_clients).remote(run_raw))
+    try:
+        n = ray.get(ray.remote(num_cpus=0, max_retries=0)(_count_clients).remote(run_raw))
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, UserError):  # e.g. a dataset root that does not exist
+            raise UserError(str(cause).splitlines()[0]) from None
+        raise
     return host_layout(load_config(raw=run_raw).runtime, n)[0]
 
 
