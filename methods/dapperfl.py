@@ -11,9 +11,10 @@ Client i, round t (Algorithm 1 = local epoch 1, then Algorithm 2 lines 1-3):
     M       = structured L1 masks of w at ratio rho_i                             (Alg. 1 line 3)
     w       <- w * M                                                              (Alg. 1 line 4)
     for e = 2..E, every batch:  z = g_e(w_e * M_e; x),  logits = g_p(w_p * M_p; z)
-        L = CE(logits, y) / |K_i| + gamma * mean_b ||z_b||_2^2                    (Eqs. 3-5)
-        (K_i: the labels present on client i; Eq. 4's normaliser)
+        L = CE(logits, y) + gamma * mean_b ||z_b||_2^2                            (Eqs. 3-5)
+        (ce_norm="labels": CE / |K_i|, Eq. 4 read literally; see below)
         SGD step, then pruned entries back to 0
+    BN running statistics <- those of w * M + W^{t-1} * (1 - M) on D_i     (bn_stats, see below)
     upload w * M, M (in Upload.extras["masks"]), n_i, and the real footprint
 
 Server (Algorithm 2 lines 5-10):
@@ -35,6 +36,23 @@ Switches (defaults = the paper; ``official_compat`` = the published code's behav
 section 10): fusion off, pruned slots averaged as zeros, DAR = gamma * mean_b ||z_b|| (not squared),
 plain batch-mean CE (no 1/|K_i|). The fine-tune epoch uses Eq. 5 too (the paper does not say; the
 code does), and one SGD optimizer spans all E epochs, so momentum crosses the prune (code).
+
+Two choices the paper leaves open, and why (measured on digits5, 10 clients, rho tiers C1..C5):
+  * BN running statistics (``bn_stats``). The paper never mentions them; read literally, the upload
+    carries the statistics the pruned epochs leave in the BN buffers, i.e. those of a sub-network with
+    up to 96% of its conv weights at zero, and Eq. 7 averages them into the dense global model. They
+    do not describe that model: in eval mode its activations exploded (||z||^2 ~ 1e4 after 8 rounds,
+    Eq. 6 from W^{t-1}) or vanished (~0.2, the code's zero-fill), and the global model scored chance
+    (10-12%) although its weights, with re-estimated statistics, gave 20%. Default "recovered": after
+    training, the client applies Eq. 6 to its own upload (it holds W^{t-1} and M) and re-estimates the
+    BN statistics of that dense model on D_i with one forward pass (no gradient, the weights it sends
+    are still w * M). The server then averages statistics of the models it averages. The weights
+    trajectory is unchanged (training uses batch statistics). "pruned" keeps the literal reading.
+  * Eq. 4's 1/|K_i| (``ce_norm``). Read literally it divides the CE by |K_i| (10 here), so at the
+    paper's gamma = 0.01 the squared-norm DAR dominates the objective and the representation collapses:
+    the global model stayed at chance even with re-estimated BN statistics. The paper's gamma was tuned
+    with the published code, whose CE is the plain batch mean; spec section 9.4 recommends that too.
+    Default "batch"; "labels" is the literal Eq. 4.
 """
 from __future__ import annotations
 
@@ -72,10 +90,14 @@ class DapperFLHparams(Hparams):
     fuse_from_round: int = 1  # Eq. 2 holds from t = 1 (paper); 2 = the code's guard (W^0 is random)
     recovery: str = "global"  # Eq. 6: "global" (pruned slots <- W^{t-1}) | "zero" (code)
     dar_form: str = "squared"  # Eq. 3: "squared" ||z||^2 | "l2" ||z|| (code)
-    ce_norm: str = "labels"  # Eq. 4: "labels" CE / |K_i| (paper) | "batch" plain batch-mean CE (code)
+    ce_norm: str = "batch"  # Eq. 4: "batch" plain batch-mean CE (code, spec 9.4) | "labels" CE / |K_i| (literal)
     dar_in_finetune: bool = True  # CE + gamma * DAR in the fine-tune epoch too (code)
     finetune_epochs: int = 1  # dense epochs before pruning (Alg. 1 line 1: one)
     prune_scheme: str = "official"  # "official" (in + out channels) | "filters" (out only)
+    # BN running statistics of the upload (the paper is silent on them):
+    # "recovered": re-estimated on the client's Eq.-6-recovered dense model (one forward pass over D_i) |
+    # "pruned": those the pruned epochs leave (the literal reading: the global model then evaluates at chance)
+    bn_stats: str = "recovered"
     official_compat: bool = False  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch"
 
     def __post_init__(self):
@@ -102,7 +124,8 @@ class DapperFLHparams(Hparams):
             object.__setattr__(self, "rho", float(self.rho))
         for key, allowed in {"tier_assignment": ("seeded", "modulo"), "recovery": ("global", "zero"),
                              "dar_form": ("squared", "l2"), "ce_norm": ("labels", "batch"),
-                             "prune_scheme": ("official", "filters")}.items():
+                             "prune_scheme": ("official", "filters"),
+                             "bn_stats": ("recovered", "pruned")}.items():
             if getattr(self, key) not in allowed:
                 bad(key, "one of " + ", ".join(allowed))
         if not (0 <= self.alpha_min <= 1 and 0 <= self.alpha0 <= 1):
@@ -285,6 +308,48 @@ class RepresentationTap:
         self.z = None
 
 
+# ============================================================================= BN statistics
+
+def batchnorms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+@torch.no_grad()
+def reestimate_bn_stats(model: nn.Module, batches) -> dict:
+    """Running mean/var of every BN layer re-estimated from scratch as the plain average over
+    ``batches`` (train-mode forward passes, no gradient); returns those entries of the state dict.
+    The batch counters are left as they were."""
+    bns = batchnorms(model)
+    if not bns:
+        return {}
+    saved = [(m.momentum, m.num_batches_tracked.clone(), m.running_mean.clone(), m.running_var.clone())
+             for m in bns]
+    was_training = model.training
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average
+    model.train()
+    seen = 0
+    for x, _ in batches:
+        model(x)
+        seen += 1
+    model.train(was_training)
+    for m, (mom, count, mean, var) in zip(bns, saved):
+        m.momentum = mom
+        m.num_batches_tracked.copy_(count)
+        if seen == 0:  # no data: keep the statistics as they were
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for m in bns:
+        prefix = f"{names[id(m)]}." if names[id(m)] else ""
+        out[prefix + "running_mean"] = m.running_mean.detach().clone()
+        out[prefix + "running_var"] = m.running_var.detach().clone()
+    return out
+
+
 # ============================================================================= Eq. 6-7
 
 def recover(tensors: dict, masks: dict, prev_global: dict, mode: str = "global") -> dict:
@@ -436,10 +501,24 @@ class DapperFL(Method):
         steps = s1["steps"] + s2["steps"]
         loss = (s1["loss"] * s1["steps"] + s2["loss"] * s2["steps"]) / max(steps, 1)
         sent = {k: masks[k].detach().cpu() for k in active}
+        if hp.bn_stats == "recovered" and sent:
+            # the statistics of the model the server will average for this client (Eq. 6 applied
+            # here, to the client's own upload), not of the pruned sub-network (module docstring)
+            self.recovered_bn_stats(ctx, sent, received)
         metrics = {"loss": loss, "steps": steps, "rho": rho, "tier": self.client_tier(ctx.client_id),
                    "alpha": alpha, **self.footprint(model, rho, masks)}
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
         return Upload(tensors=tensors, weight=client_weight(ctx), extras={"masks": sent}, metrics=metrics)
+
+    def recovered_bn_stats(self, ctx: ClientContext, masks: dict, received: dict) -> None:
+        """Replace the model's BN running statistics by those of its Eq.-6-recovered dense version
+        w * M + W^{t-1} * (1 - M) on D_i (one forward pass, no gradient); the weights stay w * M."""
+        model = ctx.model
+        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(recover(trained, masks, received, self.hp.use_recovery))
+        stats = reestimate_bn_stats(model, ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device))
+        trained.update(stats)
+        model.load_state_dict(trained)
 
     def footprint(self, model: nn.Module, rho: float, masks: dict) -> dict:
         """The pruned local model's real footprint beside the paper's nominal (1 - rho) x dense."""
@@ -535,8 +614,58 @@ def format_footprint(rows: list[dict], label: str = "") -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m raysim.methods.dapperfl [resnet10|resnet18] [input_size]
+def footprint_from_run(run_dir: str, show: bool = True) -> list[dict]:
+    """The footprint table of a finished run, from the per-client metrics its clients reported
+    (``run_dir`` is a DapperFL run or a comparison holding a ``dapperfl/`` folder): one row per tier,
+    at the run's own input size, with the clients of the tier and their domains."""
+    import os
+    from raysim.metrics import read
+    for d in (run_dir, os.path.join(run_dir, "dapperfl")):
+        if os.path.isfile(os.path.join(d, "metrics.parquet")):
+            break
+    else:
+        raise UserError(f"no DapperFL metrics.parquet in {run_dir} or {os.path.join(run_dir, 'dapperfl')}")
+    df = read(os.path.join(d, "metrics.parquet"))
+    df = df[(df.split == "train") & (df.client >= 0)]
+    if "kept_params" not in set(df.metric):
+        raise UserError(f"{d} holds no footprint metrics (not a DapperFL run?)")
+    last = df[df["round"] == df["round"].max()]
+    wide = last.pivot_table(index="client", columns="metric", values="value", aggfunc="first")
+    domains = dict(zip(last.client, last.domain))
+    rows = []
+    for tier, g in wide.groupby("tier", sort=True):
+        f = g.iloc[0]
+        clients = ", ".join(f"{int(c)} ({domains[c]})" for c in g.index)
+        rows.append({"tier": f"C{int(tier) + 1}", "rho": float(f["rho"]), "clients": clients,
+                     **{k: float(f[k]) for k in ("params", "kept_params", "nonzero_params", "flops_dense", "flops",
+                                                 "nominal_params", "nominal_flops")},
+                     "params_frac": float(f["kept_params"] / f["params"]),
+                     "flops_frac": float(f["flops"] / f["flops_dense"])})
+    if show:
+        import yaml
+        cfg_path = os.path.join(d, "config.yaml")
+        label = d
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as fh:
+                cfg = yaml.safe_load(fh) or {}
+            model = (cfg.get("model") or {}).get("name", "?")
+            size = ((cfg.get("data") or {}).get("options") or {}).get("image_size")
+            label = f"{model}{f' at {size} px' if size else ''}, measured by the clients of {d} " \
+                    f"(round {int(last['round'].max())})"
+        print(format_footprint(rows, label))
+        for r in rows:
+            print(f"  {r['tier']}: clients {r['clients']}")
+    return rows
+
+
+if __name__ == "__main__":
+    # python -m raysim.methods.dapperfl [resnet10|resnet18] [input_size]   the per-tier table of a model
+    # python -m raysim.methods.dapperfl RUN_DIR                            the table a run's clients measured
+    import os
     import sys
+    if len(sys.argv) > 1 and os.path.isdir(sys.argv[1]):
+        footprint_from_run(sys.argv[1])
+        sys.exit(0)
     name = sys.argv[1] if len(sys.argv) > 1 else "resnet10"
     size = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     footprint_table(name, input_size=size)

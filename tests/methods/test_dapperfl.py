@@ -1,5 +1,6 @@
 """DapperFL's equations on tiny tensors and tiny models, every expected value worked out by hand."""
 import copy
+import dataclasses
 from collections import OrderedDict
 
 import pytest
@@ -279,12 +280,13 @@ def test_hparams_types_and_errors():
     assert hp.rho_levels == (0.0, 0.5) and hp.tier_shares == (1.0, 3.0) and hp.gamma == 0.0
     d = DapperFL.Hparams()
     assert (d.alpha0, d.alpha_min, d.epsilon, d.gamma, d.rho_levels) == (0.9, 0.1, 0.2, 0.01, (0, .2, .4, .6, .8))
-    assert (d.use_fusion, d.use_recovery, d.use_dar_form, d.use_ce_norm) == (True, "global", "squared", "labels")
+    assert (d.use_fusion, d.use_recovery, d.use_dar_form, d.use_ce_norm) == (True, "global", "squared", "batch")
+    assert d.bn_stats == "recovered"
     assert d.fuse_from_round == 1
     o = DapperFL.hparams_from({"official_compat": True})
     assert (o.use_fusion, o.use_recovery, o.use_dar_form, o.use_ce_norm) == (False, "zero", "l2", "batch")
     for bad in ({"rho_levels": [1.0]}, {"tier_shares": [1, 2]}, {"recovery": "mean"}, {"rho": 1.5},
-                {"dar_form": "l1"}, {"nope": 1}):
+                {"dar_form": "l1"}, {"bn_stats": "dense"}, {"nope": 1}):
         with pytest.raises(UserError):
             DapperFL.hparams_from(bad)
     assert set(DapperFL.Hparams.search_space()) == {"alpha0", "gamma", "rho"}
@@ -348,3 +350,94 @@ def test_footprint_table_resnet10_matches_nominal_and_measured_counts():
     assert rows[1]["nominal_params"] == pytest.approx(3.92e6, rel=1e-3)  # Table 5: 3.92M
     assert rows[1]["nominal_flops"] == pytest.approx(203.34e6, rel=1e-4)  # Table 5: 203.34M
     assert rows[1]["kept_params"] == 3_151_527 and rows[1]["flops"] < rows[1]["nominal_flops"]
+
+
+def test_without_pruning_fusion_and_dar_it_is_fedavg():
+    """rho = 0, no fusion, gamma = 0, plain CE: the client step and the server step are FedAvg's."""
+    from raysim.methods.fedavg import FedAvg
+    d = DapperFL(DapperFL.hparams_from({"rho": 0.0, "fusion": False, "gamma": 0.0, "ce_norm": "batch"}), setup())
+    f = FedAvg(FedAvg.Hparams(), setup())
+    ups = {}
+    for name, m in (("dapperfl", d), ("fedavg", f)):
+        ups[name] = [m.local_update(context(m, tiny_net(), cid=c, rnd=2, epochs=3)) for c in range(2)]
+    for a, b in zip(ups["dapperfl"], ups["fedavg"]):
+        assert a.extras["masks"] == {} and a.tensors.keys() == b.tensors.keys()
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    prev = {k: v.clone() for k, v in tiny_net().state_dict().items()}
+    new = d.aggregate({"global": prev}, Uploads(None, 16, [0, 1], dict(enumerate(ups["dapperfl"]))), 2)["global"]
+    mean = {k: (ups["fedavg"][0].tensors[k].double() * 8 + ups["fedavg"][1].tensors[k].double() * 8) / 16 for k in prev}
+    for k in prev:
+        if prev[k].is_floating_point():
+            assert torch.allclose(new[k], mean[k].float(), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- BN statistics of the global model
+
+def bn_input_stats(net, x):
+    """(mean, unbiased var) per channel of every BN layer's input on one train-mode pass over x:
+    what a BN layer that saw exactly this batch would store as running statistics."""
+    seen, hooks = {}, []
+    for name, mod in net.named_modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, inp, name=name: seen.__setitem__(name, (inp[0].mean((0, 2, 3)),
+                                                                  inp[0].var((0, 2, 3), unbiased=True)))))
+    net.train()
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("rho", [0.4, 0.8])
+def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
+    """One pruned client (all its 8 samples in one batch): the aggregate is its Eq.-6-recovered
+    model, and the BN running statistics the server ends up with must be that dense model's own
+    statistics on the client's data. The pruned sub-network's statistics (what the pruned epochs
+    leave in the BN buffers) do not describe it: averaged into the global model they made its
+    eval-mode activations explode (recovery from W^{t-1}) or vanish (zero-fill), and the global
+    model scored chance on digits5 while its training loss fell."""
+    data = FakeData(n=8)
+    results = {}
+    for mode, extra in (("default", {}), ("pruned", {"bn_stats": "pruned"})):
+        m = DapperFL(DapperFL.hparams_from({"rho": rho, **extra}), setup(1))
+        net = tiny_net()
+        prev = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        ctx = context(m, net, rnd=2, epochs=3)
+        ctx = dataclasses.replace(ctx, data=data, train=dataclasses.replace(ctx.train, batch_size=8))
+        up = m.local_update(ctx)
+        for k, mask in up.extras["masks"].items():  # the upload is still the pruned model w * M
+            assert torch.count_nonzero(up.tensors[k][~mask]) == 0
+        new = m.aggregate({"global": prev}, Uploads(None, 8, [0], {0: up}), 2)["global"]
+        glob = tiny_net()
+        glob.load_state_dict(new)
+        expected = bn_input_stats(copy.deepcopy(glob), data.x)
+        results[mode] = max(max(float((new[f"{n}.running_mean"] - mu).abs().max()),
+                                float((new[f"{n}.running_var"] - var).abs().max()))
+                            for n, (mu, var) in expected.items())
+    assert results["default"] < 1e-4
+    assert results["pruned"] > 1e-2  # the literal reading: statistics of a different network
+
+
+
+def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
+    from raysim.methods.dapperfl import footprint_from_run
+    from raysim.metrics import MetricsLog
+    m = DapperFL(DapperFL.hparams_from({"tier_assignment": "modulo"}), setup(10))
+    log = MetricsLog()
+    metrics = {c: m.local_update(context(m, tiny_net(), cid=c, rnd=1, epochs=2)).metrics for c in (0, 4, 5)}
+    log.add_round(1, {"client_metrics": metrics, "train_loss": 0.0, "bytes_up": 0, "bytes_down": 0},
+                  domain_of=lambda c: f"d{c // 2}")
+    (tmp_path / "dapperfl").mkdir()
+    log.write(str(tmp_path / "dapperfl" / "metrics.parquet"))
+    rows = footprint_from_run(str(tmp_path))  # a comparison's folder: finds dapperfl/
+    assert [(r["tier"], r["rho"], r["clients"]) for r in rows] == [("C1", 0.0, "0 (d0), 5 (d2)"),
+                                                                   ("C5", 0.8, "4 (d2)")]
+    assert rows[0]["kept_params"] == rows[0]["params"] == metrics[0]["params"]
+    assert rows[1]["kept_params"] == metrics[4]["kept_params"] < rows[1]["params"]
+    assert rows[1]["flops"] == metrics[4]["flops"]
+    out = capsys.readouterr().out
+    assert "C5     0.8 |" in out and "C1: clients 0 (d0), 5 (d2)" in out
+    with pytest.raises(UserError):
+        footprint_from_run(str(tmp_path / "nothing"))
