@@ -1,4 +1,4 @@
-"""raysim command line: run, report, data show (tune lives in raysim.tuning).
+"""raysim command line: run, report, data show, data shard (tune lives in raysim.tuning).
 
 User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback.
 """
@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("name")
     show.add_argument("--root", help="folder of a real dataset")
     show.add_argument("--grid", help="PNG file for a grid of sample images per domain")
+    shard = dsub.add_parser("shard", help="write a config's client partition as Parquet shards "
+                                          "(then run it with data.shards=URI)")
+    shard.add_argument("config", metavar="CONFIG")
+    shard.add_argument("uri", metavar="URI", help="folder or pyarrow.fs URI: file://, s3://bucket/path, gs://...")
+    shard.add_argument("overrides", nargs="*", metavar="key=value")
+    shard.add_argument("--image-format", choices=("raw", "png"), default="raw",
+                       help="raw uint8 (fastest to read, default) or png (smaller)")
+    shard.add_argument("--clients-per-file", type=int, default=1,
+                       help="clients per Parquet file, one row group each (default 1; raise it for 100k clients)")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune + Optuna")
     tune.add_argument("args", nargs="*", metavar="CONFIG [key=value ...]")
@@ -87,10 +96,26 @@ def cmd_report(ns) -> int:
 
 
 def cmd_data(ns) -> int:
+    if ns.data_command == "shard":
+        return cmd_data_shard(ns)
     from raysim.data.show import show
     print(show(ns.name, root=ns.root, grid=ns.grid))
     if ns.grid:
         print(f"sample grid written to {ns.grid}")
+    return 0
+
+
+def cmd_data_shard(ns) -> int:
+    from raysim.config import load_config
+    from raysim.runtime.datashards import write_federation_shards
+
+    bad = [o for o in ns.overrides if "=" not in o]
+    if bad:
+        raise UserError(f"raysim data shard CONFIG URI [key=value ...]: {bad[0]!r} is not key=value")
+    cfg = load_config(ns.config, ns.overrides)
+    write_federation_shards(cfg, ns.uri, image_format=ns.image_format, clients_per_file=ns.clients_per_file,
+                            echo=print)
+    print("run it with: raysim run " + " ".join([ns.config, *ns.overrides, f"data.shards={ns.uri}"]))
     return 0
 
 

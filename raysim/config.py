@@ -28,6 +28,9 @@ class DataConfig:
     root: str | None = None  # folder of a real dataset on disk; None for generated benchmarks
     options: dict = field(default_factory=dict)  # passed to the dataset loader (image_size, ...)
     partition: dict = field(default_factory=lambda: {"kind": "per_domain"})
+    # pre-written Parquet shards of this partition (a path or a pyarrow.fs URI: file://, s3://,
+    # gs://), written by `raysim data shard CONFIG URI`; each host then reads only its clients' data
+    shards: str | None = None
 
 
 @dataclass
@@ -72,6 +75,9 @@ class RuntimeConfig:
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0
+    # federations of one run (methods x held-out domains) run at once; None: as many as the
+    # cluster's free CPUs and GPUs fit, each with its own placement group
+    parallel_federations: int | None = None
 
 
 @dataclass
@@ -250,6 +256,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         base["method"] = None
     cfg = _build(ExperimentConfig, base)
     validate(cfg)
+    if cfg.data.shards and "://" not in cfg.data.shards:  # a local path means the driver's cwd
+        cfg.data.shards = os.path.abspath(os.path.expanduser(cfg.data.shards))
     return cfg
 
 
@@ -322,10 +330,14 @@ def validate(cfg: ExperimentConfig) -> None:
     need(r.server_cpus >= 0, "config key 'runtime.server_cpus' must be >= 0")
     need(r.torch_threads is None or r.torch_threads >= 1, "config key 'runtime.torch_threads' must be >= 1")
     need(r.state_memory_mb >= 0, "config key 'runtime.state_memory_mb' must be >= 0")
+    need(r.parallel_federations is None or r.parallel_federations >= 1,
+         "config key 'runtime.parallel_federations' must be >= 1 (or null: as many as fit)")
     need(r.spill_dir is None or ".." not in Path(r.spill_dir).parts,
          f"config key 'runtime.spill_dir' = {r.spill_dir!r}: '..' is not allowed in a scratch path")
     need(cfg.checkpoint.every >= 0, f"config key 'checkpoint.every' = {cfg.checkpoint.every}: expected >= 0")
     need(cfg.checkpoint.keep >= 1, f"config key 'checkpoint.keep' = {cfg.checkpoint.keep}: expected >= 1")
+    need(cfg.data.shards is None or cfg.data.shards.strip() != "",
+         "config key 'data.shards' is empty; expected a path or URI (file://, s3://, gs://) or null")
     need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
          "config key 'data.partition' must be a mapping with a 'kind' (e.g. per_domain)")
 

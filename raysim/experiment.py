@@ -61,23 +61,73 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
         dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     names = cfg.method_names()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
-    results = []
+    jobs = []  # (config, run directory) of every federation: each method x each held-out domain
+    for name in names:
+        for holdout in holdouts:
+            sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
+            one = cfg.for_method(name)
+            if holdout is not None:  # leave-one-domain-out: one federation per held-out domain
+                one.data.partition = {**one.data.partition, "holdout": holdout}
+                sub = os.path.join(sub, f"holdout-{holdout}")
+            if not (resume and _finished(sub)):
+                jobs.append((one, sub))
     with ray_session(address or cfg.runtime.address, cfg.runtime):
-        for name in names:
-            for holdout in holdouts:
-                sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
-                one = cfg.for_method(name)
-                if holdout is not None:  # leave-one-domain-out: one federation per held-out domain
-                    one.data.partition = {**one.data.partition, "holdout": holdout}
-                    sub = os.path.join(sub, f"holdout-{holdout}")
-                if resume and _finished(sub):
-                    continue
-                results.append(FederationRun(one, sub, progress=progress).run(resume=resume))
+        results = _run_federations(jobs, progress, resume)
     text = report.render(run_dir)
     if progress:
         print(text)
         print(f"run directory: {run_dir}")
     return results
+
+
+def _run_federations(jobs: list, progress: bool, resume: bool) -> list[MethodRun]:
+    """Run the federations one after another, or as many at once as the cluster fits: they are
+    independent (every draw is keyed by seed, round and client), so the results are the same."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    slots = parallel_slots(jobs[0][0], len(jobs)) if jobs else 1
+    if slots <= 1:
+        return [FederationRun(one, sub, progress=progress).run(resume=resume) for one, sub in jobs]
+    if progress:
+        print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
+
+    def one_federation(one, sub):
+        result = FederationRun(one, sub, progress=False).run(resume=resume)
+        if progress:
+            print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
+                  file=sys.stderr)
+        return result
+
+    pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="federation")
+    try:
+        futures = [pool.submit(one_federation, one, sub) for one, sub in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
+    except KeyboardInterrupt:
+        raise RunFailed("interrupted; finished federations are kept: rerun with raysim run --resume RUN_DIR") from None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def parallel_slots(cfg: ExperimentConfig, num_jobs: int) -> int:
+    """How many federations run at once: ``runtime.parallel_federations``, or as many as the
+    cluster's free CPUs and GPUs fit (one inside a Tune trial, whose placement group holds one)."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+
+    rt = cfg.runtime
+    if rt.parallel_federations is not None:
+        return max(1, min(rt.parallel_federations, num_jobs))
+    if get_current_placement_group() is not None or rt.num_hosts is None:
+        return 1
+    free = ray.available_resources()
+    fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
+    if rt.gpus_per_host:
+        fits = min(fits, int((free.get("GPU", 0) + 1e-9) // (rt.gpus_per_host * rt.num_hosts)))
+    return max(1, min(fits, num_jobs))
 
 
 def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:
@@ -176,7 +226,8 @@ class FederationRun:
 
     def _start_hosts(self) -> None:
         from raysim.runtime.cluster import create_pool
-        self.hosts, self.owner, self.pg = create_pool(self.cfg, self.num_hosts, self.n + self.info["num_targets"])
+        self.hosts, self.owner, self.pg = create_pool(self.cfg, self.num_hosts, self.n + self.info["num_targets"],
+                                                      run_dir=self.run_dir)
 
     def _stop_hosts(self) -> None:
         import ray
@@ -277,8 +328,8 @@ class HostLost(Exception):
 
 
 def lodo_holdouts(cfg) -> list[str]:
-    from raysim.data import load
-    domains = list(load(cfg.data.dataset, root=cfg.data.root, seed=cfg.seed, **cfg.data.options).domains)
+    from raysim.runtime.datashards import dataset_domains
+    domains = dataset_domains(cfg)  # from the shards' index under data.shards: no data load
     if cfg.eval.holdout == "all":
         return domains
     if cfg.eval.holdout not in domains:

@@ -1,7 +1,9 @@
 """Partitions materialised as Parquet shards on any ``pyarrow.fs`` filesystem.
 
 Layout under ROOT: ``manifest.json`` (dataset, domains, classes, image shape, encoding,
-normalisation, augmentation, clients per file) and ``clients-<first id>.parquet`` files,
+normalisation, augmentation, clients per file, and optionally the ``config`` the partition
+was cut for), ``index.parquet`` (every client's train/val/test counts, so a server knows the
+federation's sizes without reading any image) and ``clients-<first id>.parquet`` files,
 each holding ``clients_per_file`` consecutive clients, **one row group per client**. A
 worker reads one client by opening one file and reading only that client's row group
 (found from the row-group statistics of ``client_id``), so it never downloads other
@@ -104,16 +106,37 @@ def _client_table(ds, part: Partition, cid: int, fmt: str) -> pa.Table:
     return pa.table(cols, schema=SCHEMA)
 
 
+INDEX_SCHEMA = pa.schema([("client_id", pa.int64()), ("train", pa.int64()), ("val", pa.int64()),
+                          ("test", pa.int64())])
+
+
+def _check_uniform(ds, part: Partition) -> None:
+    """A manifest holds one normalisation and one augmentation preset: refuse data that has more."""
+    seen = set()
+    for d in part.domains:
+        s = ds.split(d, "train")
+        name = preset_name(s.augment)
+        if name is None:
+            raise UserError(f"shards: domain {d!r} uses a custom augmentation ({s.augment!r}); shards can "
+                            "only record a named preset")
+        seen.add((tuple(s.mean), tuple(s.std), name))
+    if len(seen) > 1:
+        raise UserError(f"shards: the domains use different normalisations or augmentations {sorted(seen)}; "
+                        "shards need one for all")
+
+
 def write_shards(ds, part: Partition, uri_or_path, filesystem: pafs.FileSystem | None = None,
-                 image_format: str = "raw", clients_per_file: int = 1) -> str:
+                 image_format: str = "raw", clients_per_file: int = 1, config: dict | None = None) -> str:
     """Write every client of ``part`` under ``uri_or_path``; returns the root path used.
 
-    ``image_format``: 'raw' (uint8 bytes, fastest to read) or 'png' (smaller).
+    ``image_format``: 'raw' (uint8 bytes, fastest to read) or 'png' (smaller). ``config``
+    (JSON-able) is stored in the manifest, so a reader can check the shards were cut for it.
     """
     if image_format not in ("raw", "png"):
         raise UserError(f"shards: image_format={image_format!r}: expected 'raw' or 'png'")
     if int(clients_per_file) < 1:
         raise UserError(f"shards: clients_per_file={clients_per_file}: expected >= 1")
+    _check_uniform(ds, part)
     fs, root = _resolve(uri_or_path, filesystem)
     fs.create_dir(root, recursive=True)
     c, h, w = ds.image_shape
@@ -130,6 +153,7 @@ def write_shards(ds, part: Partition, uri_or_path, filesystem: pafs.FileSystem |
         "partition": {"spec": part.spec, "seed": part.seed},
         # [domain, first client id, clients]: a client's domain even when it holds no rows
         "domain_blocks": [[d, int(r.start), len(r)] for d, r in ((d, part.clients(d)) for d in part.domains)],
+        "config": config,
     }
     meta = {b"raysim": json.dumps({"image_shape": [c, h, w], "image_format": image_format}).encode()}
     k = int(clients_per_file)
@@ -141,6 +165,11 @@ def write_shards(ds, part: Partition, uri_or_path, filesystem: pafs.FileSystem |
                     t = _client_table(ds, part, cid, image_format)
                     if t.num_rows:  # one row group per client (none for an empty client)
                         writer.write_table(t, row_group_size=max(t.num_rows, 1))
+    index = pa.table({"client_id": np.arange(part.num_clients, dtype=np.int64),
+                      **{s: np.asarray(part.all_num_samples(s), np.int64) for s in SPLITS}}, schema=INDEX_SCHEMA)
+    with fs.open_output_stream(posixpath.join(root, "index.parquet")) as out:
+        pq.write_table(index, out)
+    # the manifest last: a folder with a manifest is complete
     with fs.open_output_stream(posixpath.join(root, "manifest.json")) as out:
         out.write(json.dumps(manifest, indent=1, default=str).encode())
     return root
@@ -181,12 +210,25 @@ def read_manifest(uri_or_path, filesystem: pafs.FileSystem | None = None) -> dic
         raise UserError(f"shards: {path} cannot be read ({e}); is this a raysim shard folder?") from None
 
 
+def read_index(uri_or_path, filesystem: pafs.FileSystem | None = None) -> pa.Table:
+    """Every client's train/val/test counts (columns client_id, train, val, test)."""
+    fs, root = _resolve(uri_or_path, filesystem)
+    path = posixpath.join(root, "index.parquet")
+    try:
+        with fs.open_input_file(path) as f:
+            return pq.read_table(f)
+    except (FileNotFoundError, OSError) as e:
+        raise UserError(f"shards: {path} cannot be read ({e}); rewrite the shards with this raysim") from None
+
+
 def read_shard(uri_or_path, client_id: int, filesystem: pafs.FileSystem | None = None,
-               manifest: dict | None = None, augment=None) -> ShardData:
+               manifest: dict | None = None, augment=None, cache: str = "auto") -> ShardData:
     """Read only ``client_id``'s row group back as a ``ShardData`` of ArraySplits.
 
     Normalisation and augmentation follow the manifest (pass ``augment`` to override);
-    pass a ``manifest`` already read to skip that small read per client.
+    pass a ``manifest`` already read to skip that small read per client. ``cache`` is the
+    ArraySplit float-cache mode ('none' keeps only the uint8 images: 4x less memory per client,
+    the same values, normalised per batch).
     """
     fs, root = _resolve(uri_or_path, filesystem)
     m = manifest or read_manifest(root, fs)
@@ -222,6 +264,7 @@ def read_shard(uri_or_path, client_id: int, filesystem: pafs.FileSystem | None =
     for s in SPLITS:
         sel = np.flatnonzero(split_col == s)
         x = _decode([images[i] for i in sel], m["image_format"], (h, w, c))
-        out.splits[s] = ArraySplit(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), labels[sel], mean, std, aug)
+        out.splits[s] = ArraySplit(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), labels[sel], mean, std, aug,
+                                   cache=cache)
         out.positions[s] = positions[sel]
     return out

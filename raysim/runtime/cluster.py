@@ -62,11 +62,12 @@ def host_bundles(cfg, num_hosts: int) -> list[dict]:
     return [dict(bundle) for _ in range(num_hosts)]
 
 
-def create_pool(cfg, num_hosts: int, num_clients: int):
+def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = None):
     """Start the ClientHost actors; returns (hosts, owner(client_id) -> host index, placement group).
 
     Inside a Tune trial the hosts go into the trial's own placement group (bundles 1..H); otherwise
-    raysim reserves one for them.
+    raysim reserves one for them. With ``run_dir``, where each host landed (Ray node id and
+    address, pid, device, threads, its clients) is written to ``run_dir/hosts.json``.
     """
     import ray
     from ray.util.placement_group import get_current_placement_group, placement_group
@@ -93,5 +94,27 @@ def create_pool(cfg, num_hosts: int, num_clients: int):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
         hosts.append(actor.options(**opts).remote(h, cfg, clients))
     from raysim.experiment import _get
-    _get([h.start.remote() for h in hosts])
+    ready = _get([h.start.remote() for h in hosts])
+    if run_dir is not None:
+        write_hosts(run_dir, ready, num_clients)
     return hosts, (lambda c: c % num_hosts), own_pg
+
+
+def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
+    """``hosts.json``: one entry per host, with the Ray node it was placed on and its client ids as
+    ``client_range: [start, stop, step]`` (client k lives on host k mod H)."""
+    import json
+
+    import ray
+
+    addresses = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+    hosts = []
+    for info in ready:
+        h = info.get("host")
+        hosts.append({**info, "node_ip": addresses.get(info.get("node_id")),
+                      "client_range": [h, num_clients, len(ready)]})
+    nodes = sorted({i.get("node_id") for i in ready if i.get("node_id")})
+    tmp = os.path.join(run_dir, "hosts.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
+    os.replace(tmp, os.path.join(run_dir, "hosts.json"))

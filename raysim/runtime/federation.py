@@ -1,12 +1,15 @@
 """The pure description of one federation: data, partition, method, initial model.
 
 The server and every host build it from the same config, so all of them agree on the partition,
-the clients' domains and the initial weights without shipping any of it around.
+the clients' domains and the initial weights without shipping any of it around. With
+``data.shards: URI`` nobody loads the dataset: the partition's description comes from the shards'
+manifest and each host reads only its own clients' data (see ``raysim.runtime.datashards``).
 """
 from __future__ import annotations
 
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from raysim.methods import registry
@@ -26,10 +29,33 @@ class Federation:
         return load(self.cfg.data.dataset, root=self.cfg.data.root, seed=self.cfg.seed, **self.cfg.data.options)
 
     @cached_property
+    def shards(self):
+        """The federation's pre-written shards (``data.shards``), or None: load the dataset."""
+        if not self.cfg.data.shards or self._dataset is not None:
+            return None
+        from raysim.runtime.datashards import FederationShards
+        return FederationShards(self.cfg)
+
+    @property
+    def num_classes(self) -> int:
+        return (self.shards or self.dataset).num_classes
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple((self.shards or self.dataset).image_shape)
+
+    @property
+    def domains(self) -> tuple[str, ...]:
+        """The dataset's domains (all of them, held-out ones included)."""
+        return tuple((self.shards or self.dataset).domains)
+
+    @cached_property
     def _partitions(self):
         """(training clients, unseen-domain clients or None). With ``partition.holdout: DOMAIN``
         (leave-one-domain-out) the held-out domain's clients never train; they get ids after the
         training clients and are only evaluated."""
+        if self.shards is not None:
+            return self.shards.partition, self.shards.target
         from raysim.data.partition import leave_one_domain_out, make_partition
         spec = dict(self.cfg.data.partition)
         holdout = spec.pop("holdout", None)
@@ -59,6 +85,23 @@ class Federation:
         n = self.num_clients
         return self.partition.shard(cid) if cid < n else self.target.shard(cid - n)
 
+    def client_data(self, cid: int):
+        """A client's data as its host keeps it: views on the dataset's splits, or the arrays read
+        from the client's own shard (same images, same order, same normalisation)."""
+        from raysim.runtime.clientdata import ClientData, SplitView
+
+        if self.shards is not None:
+            n = self.num_clients
+            data = self.partition.read(cid) if cid < n else self.target.read(cid - n)
+            views = {s: SplitView(data.split(s), np.arange(len(data.split(s)))) for s in ("train", "val", "test")}
+            return ClientData(train=views["train"], val=views["val"], test=views["test"],
+                              num_train=len(views["train"]))
+        shard = self.shard(cid)
+        ds = self.dataset
+        views = {s: SplitView(ds.split(shard.domain, shard.split_name(s)), getattr(shard, s))
+                 for s in ("train", "val", "test")}
+        return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(shard.train))
+
     def domain(self, cid: int) -> str:
         n = self.num_clients
         return self.partition.domain(cid) if cid < n else self.target.domain(cid - n)
@@ -70,7 +113,7 @@ class Federation:
     @cached_property
     def setup(self) -> Setup:
         part = self.partition
-        return Setup(num_classes=self.dataset.num_classes, image_shape=tuple(self.dataset.image_shape),
+        return Setup(num_classes=self.num_classes, image_shape=self.image_shape,
                      num_clients=part.num_clients,
                      client_domains=tuple(part.domain(c) for c in range(part.num_clients)),
                      model=self.cfg.model, train=self.cfg.train, rounds=self.cfg.rounds, seed=self.cfg.seed)

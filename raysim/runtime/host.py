@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from raysim.methods.base import ClientContext, Upload
-from raysim.runtime.clientdata import ClientData, SplitView
+from raysim.runtime.clientdata import ClientData
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore
@@ -37,6 +38,38 @@ def tensors_nbytes(tensors) -> int:
     return total
 
 
+# A host keeps at most this many clients' data views (index arrays into the dataset, or shard
+# arrays). Hosts with fewer clients load them all at start; a host of 50,000 registered
+# cross-device clients builds a client's view when it is first sampled, so start-up time and
+# memory grow with the clients that train, not with the clients that are registered.
+DATA_CACHE_CLIENTS = 4096
+
+
+class ClientDataCache:
+    """Client id -> ClientData, built on first use; the least recently used beyond ``limit`` are
+    dropped (a view is a pure function of the partition, so rebuilding it gives the same data)."""
+
+    def __init__(self, build, limit: int):
+        self._build, self._limit = build, max(1, int(limit))
+        self._items: OrderedDict[int, ClientData] = OrderedDict()
+
+    def __getitem__(self, cid: int) -> ClientData:
+        data = self._items.get(cid)
+        if data is None:
+            data = self._items[cid] = self._build(cid)
+            if len(self._items) > self._limit:
+                self._items.popitem(last=False)
+        else:
+            self._items.move_to_end(cid)
+        return data
+
+    def __contains__(self, cid: int) -> bool:
+        return cid in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class ClientHost:
     def __init__(self, host_id: int, cfg, client_ids: list[int], gpu_ids=None):
         self.host_id, self.cfg, self._gpu_ids = host_id, cfg, gpu_ids
@@ -53,21 +86,20 @@ class ClientHost:
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.data = {cid: self._client_data(cid) for cid in self.client_ids}
+        self.data = ClientDataCache(self._client_data, DATA_CACHE_CLIENTS)
+        if len(self.client_ids) <= DATA_CACHE_CLIENTS:  # cross-silo: load every client now (errors at start)
+            for cid in self.client_ids:
+                self.data[cid]
         spill = os.path.join(rt.spill_dir, f"host-{host_id}") if rt.spill_dir else None
         self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill)
         return self.ready()
 
     def _client_data(self, cid: int) -> ClientData:
-        shard = self.fed.shard(cid)
-        ds = self.fed.dataset
-        views = {s: SplitView(ds.split(shard.domain, shard.split_name(s)), getattr(shard, s))
-                 for s in ("train", "val", "test")}
-        return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(shard.train))
+        return self.fed.client_data(cid)  # from the dataset, or from the client's own shard (data.shards)
 
     def ready(self) -> dict:
         return {"host": self.host_id, "clients": len(self.client_ids), "device": str(self.device),
-                "threads": torch.get_num_threads(), "pid": os.getpid()}
+                "threads": torch.get_num_threads(), "pid": os.getpid(), **_node()}
 
     # ------------------------------------------------------------------ state
     def _state(self, cid: int) -> dict:
@@ -173,6 +205,12 @@ def _client_payload(payload: dict, personal) -> dict:
 def _is_ref(x) -> bool:
     import ray
     return isinstance(x, ray.ObjectRef)
+
+
+def _node() -> dict:
+    """The Ray node this process runs on (empty outside a Ray worker)."""
+    import ray
+    return {"node_id": ray.get_runtime_context().get_node_id()} if ray.is_initialized() else {}
 
 
 def _ray_gpu_ids():

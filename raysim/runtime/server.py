@@ -48,7 +48,7 @@ class Server:
         part = self.fed.partition
         targets = [self.fed.domain(self.n + i) for i in range(self.fed.num_targets)]
         return {"num_clients": self.n, "num_targets": len(targets), "clients_per_round": self.per_round,
-                "domains": list(self.fed.dataset.domains),
+                "domains": list(self.fed.domains),
                 "client_domains": list(self.fed.setup.client_domains) + targets,
                 "num_train": [part.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 

@@ -5,6 +5,14 @@ live here between rounds. When the states held in memory exceed the host's budge
 recently used ones are written to disk with ``torch.save`` and read back with
 ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists and dicts only: no code runs
 on load), so 100k clients fit in a bounded footprint.
+
+In memory, an idle client's state is kept *packed*: the bytes of all its tensors in one buffer,
+plus a layout (keys, dtypes, shapes, offsets) shared by every client whose state has the same
+structure. A FedBN client of a small CNN keeps ten tensors of ~800 bytes in all; as ten torch
+tensors they would cost ~6 KB of Python and allocator overhead, packed they cost ~1 KB. ``get``
+hands back tensors that are views of the buffer (in-place updates land in the stored state, as
+they would without packing); ``put`` packs the new state. States holding anything else than
+plain CPU tensors, numbers, strings, None, lists, tuples and dicts are kept as they are.
 """
 from __future__ import annotations
 
@@ -13,7 +21,101 @@ import os
 import tempfile
 from collections import OrderedDict
 
+import numpy as np
 import torch
+
+_ALIGN = 16  # every tensor starts at a multiple of the largest element size
+_LAYOUTS_MAX = 1024  # distinct state layouts shared between clients (beyond: kept per client)
+
+
+class _Unpackable(Exception):
+    pass
+
+
+class Packed:
+    """One client's state as (shared layout, its scalar leaves, one byte buffer)."""
+    __slots__ = ("layout", "values", "buf")
+
+    def __init__(self, layout, values, buf):
+        self.layout, self.values, self.buf = layout, values, buf
+
+
+def pack(state, layouts: dict | None = None) -> Packed | None:
+    """``state`` packed, or None when it holds something that is not a plain CPU tensor (of a
+    dtype numpy knows: not bfloat16), number, string, None, list, tuple or dict (the store then
+    keeps it as it is)."""
+    arrays: list = []
+    values: list = []
+    offset = [0]
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            if type(obj) is not torch.Tensor:  # nn.Parameter and other subclasses stay as they are
+                raise _Unpackable
+            try:  # numpy() refuses GPU, sparse, quantized, grad-requiring and conj/neg-bit tensors
+                a = obj.numpy()
+            except (TypeError, RuntimeError):
+                raise _Unpackable from None
+            start = offset[0]
+            offset[0] = start + -(-a.nbytes // _ALIGN) * _ALIGN
+            arrays.append((start, a))
+            return ("T", start, a.size, a.dtype, a.shape)
+        kind = type(obj)
+        if kind is dict:
+            return ("D", tuple((k, walk(v)) for k, v in obj.items()))
+        if kind is list:
+            return ("L", tuple(walk(v) for v in obj))
+        if kind is tuple:
+            return ("U", tuple(walk(v) for v in obj))
+        if obj is None or kind in (int, float, str, bool):
+            values.append(obj)
+            return ("V", len(values) - 1)
+        raise _Unpackable
+
+    try:
+        layout = walk(state)
+    except _Unpackable:
+        return None
+    if not arrays or offset[0] == 0:
+        return None
+    if layouts is not None:  # share one layout object between clients of the same structure
+        try:
+            shared = layouts.get(layout)
+        except TypeError:  # an unhashable dict key
+            return None
+        if shared is not None:
+            layout = shared
+        elif len(layouts) < _LAYOUTS_MAX:
+            layouts[layout] = layout
+    buf = bytearray(offset[0])
+    flat = np.frombuffer(buf, dtype=np.uint8)
+    for start, a in arrays:
+        if a.size:
+            flat[start:start + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return Packed(layout, tuple(values), buf)
+
+
+def unpack(p: Packed, copy: bool = False):
+    """The state again; its tensors are views of the packed buffer unless ``copy``."""
+    buf = p.buf
+
+    def build(node):
+        tag = node[0]
+        if tag == "T":
+            _, start, count, dtype, shape = node
+            a = (np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(shape) if count
+                 else np.empty(shape, dtype=dtype))
+            t = torch.from_numpy(a)
+            return t.clone() if copy else t
+        if tag == "D":
+            return {k: build(v) for k, v in node[1]}
+        if tag == "L":
+            return [build(v) for v in node[1]]
+        if tag == "U":
+            return tuple(build(v) for v in node[1])
+        return p.values[node[1]]
+
+    return build(p.layout)
 
 
 def state_nbytes(obj) -> int:
@@ -35,6 +137,7 @@ class ClientStateStore:
         self._spill_dir = spill_dir
         self.bytes_in_memory = 0
         self.spills = 0
+        self._layouts: dict = {}
 
     def __contains__(self, client_id: int) -> bool:
         return client_id in self._mem or client_id in self._on_disk
@@ -55,14 +158,15 @@ class ClientStateStore:
     def get(self, client_id: int) -> dict | None:
         if client_id in self._mem:
             self._mem.move_to_end(client_id)
-            return self._mem[client_id]
+            state = self._mem[client_id]
+            return unpack(state) if isinstance(state, Packed) else state
         if client_id in self._on_disk:
             path = self._path(client_id)
             state = torch.load(path, weights_only=True)
             self._on_disk.discard(client_id)
             os.remove(path)
             self._remember(client_id, state)
-            return state
+            return self.get(client_id)
         return None
 
     def put(self, client_id: int, state: dict) -> None:
@@ -74,7 +178,8 @@ class ClientStateStore:
 
     def _remember(self, client_id: int, state: dict) -> None:
         size = state_nbytes(state)
-        self._mem[client_id] = state
+        packed = pack(state, self._layouts)
+        self._mem[client_id] = state if packed is None else packed
         self._sizes[client_id] = size
         self.bytes_in_memory += size
         while self.bytes_in_memory > self.budget and len(self._mem) > 1:
@@ -83,6 +188,8 @@ class ClientStateStore:
     def _spill_oldest(self) -> None:
         client_id, state = self._mem.popitem(last=False)
         self.bytes_in_memory -= self._sizes.pop(client_id)
+        if isinstance(state, Packed):
+            state = unpack(state, copy=True)
         path = self._path(client_id)
         tmp = path + ".tmp"
         torch.save(state, tmp)
@@ -94,7 +201,8 @@ class ClientStateStore:
         """Every (client_id, state), loading spilled ones without keeping them (for checkpoints)."""
         for cid in sorted(set(self._mem) | self._on_disk):
             if cid in self._mem:
-                yield cid, self._mem[cid]
+                state = self._mem[cid]
+                yield cid, unpack(state, copy=True) if isinstance(state, Packed) else state
             else:
                 yield cid, torch.load(self._path(cid), weights_only=True)
 

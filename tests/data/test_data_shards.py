@@ -9,7 +9,7 @@ import torch
 
 from raysim.data import load
 from raysim.data.partition import client_data, leave_one_domain_out, make_partition
-from raysim.data.shards import read_manifest, read_shard, write_shards
+from raysim.data.shards import read_index, read_manifest, read_shard, write_shards
 from raysim.errors import UserError
 
 
@@ -23,6 +23,10 @@ def small(data_cache):
 def check_round_trip(ds, part, root, fs=None):
     m = read_manifest(root, fs)
     assert m["num_clients"] == part.num_clients and m["image_shape"] == list(ds.image_shape)
+    index = read_index(root, fs)  # every client's counts, for a server that reads no image
+    assert index["client_id"].to_pylist() == list(range(part.num_clients))
+    for s in ("train", "val", "test"):
+        assert index[s].to_pylist() == part.all_num_samples(s).tolist()
     for cid in range(part.num_clients):
         back = read_shard(root, cid, filesystem=fs, manifest=m)
         shard = part.shard(cid)
@@ -46,7 +50,7 @@ def test_round_trip_local_path(small, tmp_path):
     root = write_shards(ds, part, tmp_path / "shards")
     files = sorted(p.name for p in (tmp_path / "shards").iterdir())
     assert files == ["clients-0000000.parquet", "clients-0000001.parquet", "clients-0000002.parquet",
-                     "clients-0000003.parquet", "manifest.json"]
+                     "clients-0000003.parquet", "index.parquet", "manifest.json"]
     check_round_trip(ds, part, root)
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["augment"] == "crop_flip"
 
@@ -55,7 +59,7 @@ def test_round_trip_png_and_row_groups(small, tmp_path):
     ds, part = small
     root = write_shards(ds, part, tmp_path / "png", image_format="png", clients_per_file=3)
     names = sorted(p.name for p in (tmp_path / "png").iterdir())
-    assert names == ["clients-0000000.parquet", "clients-0000003.parquet", "manifest.json"]
+    assert names == ["clients-0000000.parquet", "clients-0000003.parquet", "index.parquet", "manifest.json"]
     meta = pq.ParquetFile(tmp_path / "png" / "clients-0000000.parquet").metadata
     assert meta.num_row_groups == 3  # one row group per client: a reader fetches only its own
     check_round_trip(ds, part, root)
