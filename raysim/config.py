@@ -207,19 +207,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), parsed
 
 
+def set_path(raw: dict, path: list[str], value, where: str) -> None:
+    """Set ``raw[path[0]][path[1]]... = value``, creating missing sections; ``where`` names the
+    source (an override, a tuned key) in the error when a step is not a section."""
+    node = raw
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"{where}: '{part}' is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     raw = copy.deepcopy(raw)
     for text in overrides:
         path, value = parse_override(text)
-        node = raw
-        for part in path[:-1]:
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise UserError(f"override '{text}': '{part}' is not a section")
-            node = nxt
-        node[path[-1]] = value
+        set_path(raw, path, value, where=f"override '{text}'")
         if path == ["method"]:  # method=NAME on the command line replaces a methods list
             raw.pop("methods", None)
         if path == ["methods"]:

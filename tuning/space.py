@@ -15,6 +15,7 @@ import copy
 import math
 from typing import Any
 
+from raysim.config import set_path
 from raysim.errors import UserError
 from raysim.methods.base import Space
 
@@ -173,16 +174,7 @@ def endpoints(space: Space) -> list:
 # ----------------------------------------------------------------------------- applying values
 
 def set_dotted(raw: dict, key: str, value) -> None:
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        if not isinstance(nxt, dict):
-            raise UserError(f"config key '{key}': '{part}' is not a section")
-        node = nxt
-    node[parts[-1]] = value
+    set_path(raw, key.split("."), value, where=f"config key '{key}'")
 
 
 def get_dotted(raw: dict, key: str, default=None):
