@@ -161,8 +161,6 @@ def run_flower(spec: dict, spec_path: str) -> dict:
 
 
 def main(argv=None) -> int:
-    import torch
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec")
     p.add_argument("out")
@@ -170,11 +168,8 @@ def main(argv=None) -> int:
     with open(ns.spec, encoding="utf-8") as fh:
         spec = json.load(fh)
     from benchmarks.flower_runner import run_flower as run  # importable by Ray's workers (PYTHONPATH)
-    res = run(spec, ns.spec)
-    os.makedirs(ns.out, exist_ok=True)
-    torch.save(res.pop("weights"), os.path.join(ns.out, "weights.pt"))
-    with open(os.path.join(ns.out, "result.json"), "w", encoding="utf-8") as fh:
-        json.dump(res, fh)
+    from benchmarks.plain import save_result
+    save_result(ns.out, run(spec, ns.spec))
     return 0
 
 

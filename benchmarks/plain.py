@@ -235,12 +235,19 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     with open(ns.spec, encoding="utf-8") as fh:
         spec = json.load(fh)
-    res = run_plain(spec, threads=ns.threads)
-    os.makedirs(ns.out, exist_ok=True)
-    torch.save(res.pop("weights"), os.path.join(ns.out, "weights.pt"))
-    with open(os.path.join(ns.out, "result.json"), "w", encoding="utf-8") as fh:
-        json.dump(res, fh)
+    save_result(ns.out, run_plain(spec, threads=ns.threads))
     return 0
+
+
+def save_result(out: str, res: dict) -> None:
+    """One arm's final weights (``weights.pt``, when it has them) and figures (``result.json``),
+    which run.py reads back to compare the arms."""
+    os.makedirs(out, exist_ok=True)
+    weights = res.pop("weights", None)
+    if weights is not None:
+        torch.save(weights, os.path.join(out, "weights.pt"))
+    with open(os.path.join(out, "result.json"), "w", encoding="utf-8") as fh:
+        json.dump(res, fh)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,6 @@ def run_raysim(spec: dict, run_dir: str, hosts: int = 2, memory: bool = False, f
 
 
 def main(argv=None) -> int:
-    import torch
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec")
     p.add_argument("out")
@@ -91,11 +89,8 @@ def main(argv=None) -> int:
     os.makedirs(ns.out, exist_ok=True)
     res = run_raysim(spec, os.path.join(ns.out, "run"), hosts=ns.hosts, memory=ns.memory,
                      runtime=json.loads(ns.runtime))
-    weights = res.pop("weights", None)
-    if weights is not None:
-        torch.save(weights, os.path.join(ns.out, "weights.pt"))
-    with open(os.path.join(ns.out, "result.json"), "w", encoding="utf-8") as fh:
-        json.dump(res, fh)
+    from benchmarks.plain import save_result
+    save_result(ns.out, res)
     return 0
 
 
