@@ -1,7 +1,10 @@
 """Checkpoints, resume, and a host lost mid-round: the metrics must equal an undisturbed run's."""
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +17,7 @@ from raysim.experiment import FederationRun, resume_config
 from raysim.metrics import MetricsLog
 
 BASE = {
-    "method": "fedbn", "rounds": 5, "seed": 7,
+    "method": "fedbn", "rounds": 6, "seed": 7,
     "data": {"dataset": "digits5", "partition": {"kind": "per_domain", "train_size": 48}},
     "model": {"name": "small_cnn"},
     "train": {"batch_size": 16, "lr": 0.05, "momentum": 0.9},
@@ -49,6 +52,34 @@ def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
         FederationRun(cfg(), out, progress=False, on_round=stop_after_round_3).run()
     assert checkpoint.list_rounds(out) == [2]
     FederationRun(resume_config(out, []), out, progress=False).run(resume=True)
+    assert metrics(out).equals(undisturbed)
+
+
+def test_driver_process_killed_after_round_3_resumes_to_identical_metrics(undisturbed, tmp_path):
+    """The real thing: ``raysim run`` in its own process, SIGKILLed once round 3's checkpoint is on
+    disk (no handler runs), then ``raysim run --resume`` in a fresh process."""
+    import yaml
+
+    config, out = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump({**BASE, "checkpoint": {"every": 1, "keep": 2}}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "raysim", "run", "--quiet"]
+    driver = subprocess.Popen([*cmd, str(config), "--out", str(out)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker = out / "checkpoints" / "round-000003"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), driver.stderr.read() if driver.poll() is not None else "no round-3 checkpoint"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    assert driver.returncode == -signal.SIGKILL  # it was still running: killed, not finished
+    assert not (out / "metrics.parquet").exists() or len(metrics(out)) < len(undisturbed)
+
+    resumed = subprocess.run([*cmd, "--resume", str(out)], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert max(checkpoint.list_rounds(str(out))) > 3  # it went on from round 3, not from scratch
     assert metrics(out).equals(undisturbed)
 
 
