@@ -55,13 +55,10 @@ class FDSEHparams(Hparams):
     skip_first_round: bool = True  # no L_Con in round 1 (global BN stats still at 0 / 1)
     shared_agg: str = "consensus"  # "consensus" (Eq. 8) | "mean" (ablation "w/o A": FedAvg mean)
     dse_agg: str = "attention"  # "attention" (Eq. 9) | "local" (ablation "w/o B") | "mean"
-    eval_point: str = "received"  # "received": after aggregation, like every method here |
-    #                               "post_train": the client's model right after local training (code)
 
     def __post_init__(self):
         choices = {"dse_act": ACTIVATIONS, "con_mode": ("paper", "code_v2"),
-                   "shared_agg": ("consensus", "mean"), "dse_agg": ("attention", "local", "mean"),
-                   "eval_point": ("received", "post_train")}
+                   "shared_agg": ("consensus", "mean"), "dse_agg": ("attention", "local", "mean")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"hyperparameter 'hp.fdse.{key}' = {getattr(self, key)!r}: "
@@ -398,13 +395,4 @@ class FDSE(Method):
                 h.remove()
         if reg is not None and reg.steps:
             stats["con_loss"] = reg.total / reg.steps
-        up = self.upload(ctx, stats)
-        if hp.eval_point == "post_train":
-            ctx.state["trained"] = {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
-        return up
-
-    def eval_model(self, model, payload, state):
-        if self.hp.eval_point == "post_train" and "trained" in state:
-            load_tensors(model, state["trained"])
-            return model
-        return super().eval_model(model, payload, state)
+        return self.upload(ctx, stats)

@@ -61,6 +61,9 @@ class EvalConfig:
     holdout: str = "all"  # lodo: "all" or a domain name
     splits: list = field(default_factory=lambda: ["val", "test"])
     clients: Any = "all"  # "all", or an int: a fixed seeded subset of clients is evaluated
+    # personalized protocol: a client's model as it receives it for the next round ("received", after
+    # aggregation), or as it left its last local training ("post_train": FLGo's and FDSE's code)
+    point: str = "received"
 
 
 @dataclass
@@ -317,6 +320,8 @@ def validate(cfg: ExperimentConfig) -> None:
     need(e.every >= 1, f"config key 'eval.every' = {e.every}: expected at least 1")
     need(e.protocol in ("personalized", "global", "lodo"),
          f"config key 'eval.protocol' = {e.protocol!r}: expected personalized, global or lodo")
+    need(e.point in ("received", "post_train"),
+         f"config key 'eval.point' = {e.point!r}: expected 'received' or 'post_train'")
     need(all(s in ("val", "test") for s in e.splits) and e.splits,
          f"config key 'eval.splits' = {e.splits!r}: expected a list of 'val' and/or 'test'")
     need(e.clients == "all" or (isinstance(e.clients, int) and not isinstance(e.clients, bool)

@@ -10,7 +10,6 @@ import os
 import time
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 from raysim.methods.base import ClientContext, Upload
@@ -137,6 +136,8 @@ class ClientHost:
             self.method.load_client_model(self.model, mine, state)
             ctx = self._context(cid, rnd, mine, state)
             up = self.method.local_update(ctx)
+            if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
+                ctx.state["trained"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self.store.put(cid, ctx.state)
             metrics[cid] = dict(up.metrics)
             bytes_up += tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
@@ -170,8 +171,13 @@ class ClientHost:
             model = self.method.global_eval_model(self.model, payload)
         for cid in sorted(requests):
             if protocol == "personalized":
-                mine = _client_payload(payload, personal_boxes.get(cid))
-                model = self.method.eval_model(self.model, mine, self._state(cid))
+                state = self._state(cid)
+                if self.cfg.eval.point == "post_train" and "trained" in state:
+                    self.model.load_state_dict(state["trained"])
+                    model = self.model
+                else:  # "received", and clients not trained yet
+                    mine = _client_payload(payload, personal_boxes.get(cid))
+                    model = self.method.eval_model(self.model, mine, state)
             out[cid] = {s: evaluate(model, getattr(self.data[cid], s), bs, self.device) for s in requests[cid]}
         return out
 

@@ -130,3 +130,18 @@ def test_held_out_domains_run_in_parallel_with_the_same_metrics(ray_session, tmp
 def test_unknown_holdout_domain(ray_session, tmp_path):
     with pytest.raises(UserError, match="eval.holdout = 'nowhere' is not a domain of digits5"):
         run(tiny("eval.protocol=lodo", "eval.holdout=nowhere"), out=str(tmp_path), progress=False)
+
+
+def test_post_train_eval_point_scores_the_model_as_it_left_training(ray_session, tmp_path):
+    """FedAvg's round 1 evaluated post-train is each client's model after one local epoch from the
+    common initial model: exactly Local's round-1 model (received, it would be the average)."""
+    fedavg, local = str(tmp_path / "fedavg"), str(tmp_path / "local")
+    run(tiny("eval.point=post_train"), out=fedavg, progress=False)
+    run(tiny("method=local"), out=local, progress=False)
+
+    def accuracy(run_dir, rnd):
+        df = metrics(run_dir)
+        return df[(df["round"] == rnd) & (df.metric == "accuracy")].reset_index(drop=True)
+
+    assert accuracy(fedavg, 1).equals(accuracy(local, 1))
+    assert not accuracy(fedavg, 2).value.equals(accuracy(local, 2).value)  # round 2 starts from the average

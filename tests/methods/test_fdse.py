@@ -412,14 +412,3 @@ def test_aggregate_by_hand_on_two_clients():
     assert torch.allclose(abl["global"]["features.b.dfe.weight"], torch.tensor([0.2, 3.6]))
     assert torch.equal(abl["dse"][1]["features.b.cheap.weight"], torch.tensor([0.0, 2.0]))
     assert srv["dse"] == {}  # the previous state is not mutated
-
-
-def test_post_train_eval_point_keeps_the_trained_model():
-    torch.manual_seed(0)
-    model = fdse_tiny()
-    m = method(eval_point="post_train")
-    srv, st = m.init_server(model), m.init_client_state(0, model)
-    client_step(m, model, srv, 0, 1, st, FakeData(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))))
-    trained = {k: v.clone() for k, v in model.state_dict().items()}
-    m.eval_model(model, {**m.broadcast(srv, 2), "personal": m.client_payload(srv, 0, 2)}, st)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
