@@ -62,12 +62,12 @@ def host_bundles(cfg, num_hosts: int) -> list[dict]:
     return [dict(bundle) for _ in range(num_hosts)]
 
 
-def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = None):
-    """Start the ClientHost actors; returns (hosts, owner(client_id) -> host index, placement group).
+def launch_pool(cfg, num_hosts: int) -> tuple:
+    """Reserve the pool and start every ClientHost; returns (hosts, their start() refs, placement group).
 
-    Inside a Tune trial the hosts go into the trial's own placement group (bundles 1..H); otherwise
-    raysim reserves one for them. With ``run_dir``, where each host landed (Ray node id and
-    address, pid, device, threads, its clients) is written to ``run_dir/hosts.json``.
+    Nothing waits for the hosts here, so their processes start (and load the data) while the
+    server loads it. Inside a Tune trial the hosts go into the trial's own placement group
+    (bundles 1..H); otherwise raysim reserves one for them.
     """
     import ray
     from ray.util.placement_group import get_current_placement_group, placement_group
@@ -89,15 +89,46 @@ def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = Non
     actor = ray.remote(ClientHost)
     hosts = []
     for h in range(num_hosts):
-        clients = list(range(h, num_clients, num_hosts))
         opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
-        hosts.append(actor.options(**opts).remote(h, cfg, clients))
+        hosts.append(actor.options(**opts).remote(h, cfg, num_hosts))
+    return hosts, [h.start.remote() for h in hosts], own_pg
+
+
+def await_pool(hosts: list, starts: list, num_clients: int, run_dir: str | None = None) -> list[dict]:
+    """Wait for the hosts' start(); check they hold the ``num_clients`` clients the server counts."""
     from raysim.experiment import _get
-    ready = _get([h.start.remote() for h in hosts])
+
+    ready = _get(starts)
+    held = sum(r["clients"] for r in ready)
+    if held != num_clients:  # both sides build the federation from the same config: a bug if not
+        raise RuntimeError(f"the hosts hold {held} clients but the server counts {num_clients}")
     if run_dir is not None:
         write_hosts(run_dir, ready, num_clients)
-    return hosts, (lambda c: c % num_hosts), own_pg
+    return ready
+
+
+def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = None):
+    """Start the ClientHost actors and wait for them; returns (hosts, owner(client_id) -> host
+    index, placement group). With ``run_dir``, where each host landed (Ray node id and address,
+    pid, device, threads, its clients) is written to ``run_dir/hosts.json``."""
+    import ray
+
+    hosts, starts, pg = launch_pool(cfg, num_hosts)
+    try:
+        await_pool(hosts, starts, num_clients, run_dir)
+    except BaseException:
+        for h in hosts:
+            ray.kill(h)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+        raise
+    return hosts, owner_of(num_hosts), pg
+
+
+def owner_of(num_hosts: int):
+    """Client k lives on host k mod H."""
+    return lambda c: c % num_hosts
 
 
 def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:

@@ -70,18 +70,21 @@ class ClientDataCache:
 
 
 class ClientHost:
-    def __init__(self, host_id: int, cfg, client_ids: list[int], gpu_ids=None):
-        self.host_id, self.cfg, self._gpu_ids = host_id, cfg, gpu_ids
-        self.client_ids = sorted(client_ids)
+    def __init__(self, host_id: int, cfg, num_hosts: int, gpu_ids=None):
+        self.host_id, self.cfg, self.num_hosts, self._gpu_ids = host_id, cfg, num_hosts, gpu_ids
 
     def start(self) -> dict:
-        """Load the clients' data and build the model (outside __init__ so errors keep their cause)."""
+        """Load the clients' data and build the model (outside __init__ so errors keep their cause).
+
+        The host derives its clients (k with k mod H = host id) from the federation it builds, so
+        it needs nothing from the server and starts while the server loads the data too."""
         host_id, cfg, gpu_ids = self.host_id, self.cfg, self._gpu_ids
         rt = cfg.runtime
         threads = rt.torch_threads or max(1, int(rt.cpus_per_host))
         torch.set_num_threads(threads)
         self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
         self.fed = Federation(cfg)
+        self.client_ids = list(range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts))
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -70,7 +70,7 @@ def test_fractional_gpu_hosts_fall_back_to_cpu(ray_session, tmp_path):
     from raysim.runtime.cluster import create_pool
 
     cfg = tiny("runtime.num_hosts=4", "runtime.cpus_per_host=0.5", "runtime.gpus_per_host=0.25")
-    hosts, owner, pg = create_pool(cfg, 4, 5)
+    hosts, owner, pg = create_pool(cfg, 4, 5)  # digits5 per_domain: 5 clients
     try:
         info = ray.get([h.ready.remote() for h in hosts])
         assert [i["device"] for i in info] == ["cpu"] * 4
