@@ -92,7 +92,7 @@ def _run_federations(jobs: list, progress: bool, resume: bool) -> list[MethodRun
         print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
 
     def one_federation(one, sub):
-        result = FederationRun(one, sub, progress=False).run(resume=resume)
+        result = FederationRun(one, sub, progress="lines" if progress else False).run(resume=resume)
         if progress:
             print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
                   file=sys.stderr)
@@ -159,10 +159,11 @@ class FederationRun:
     """One federation: a Server actor, a host pool, the round loop, metrics and checkpoints.
 
     ``on_round(round, summary, evaluation or None)`` is called after every round (Tune reports
-    per-round metrics through it).
+    per-round metrics through it). ``progress``: True (a live bar on a terminal), "lines" (one
+    line per round: federations running side by side share the terminal) or False.
     """
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None):
+    def __init__(self, cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None):
         self.cfg, self.run_dir, self.on_round = cfg, run_dir, on_round
         self.progress = progress
         self.server = None
@@ -181,7 +182,9 @@ class FederationRun:
         if not resume or not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
             dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
         t_start = time.perf_counter()
-        bar = Progress(cfg.rounds, label=cfg.method, enabled=self.progress)
+        holdout = (cfg.data.partition or {}).get("holdout")
+        bar = Progress(cfg.rounds, label=cfg.method + (f"[{holdout}]" if holdout else ""),
+                       enabled=bool(self.progress), lines=self.progress == "lines")
         self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
                                                  scheduling_strategy=_server_placement()).remote(cfg)
         server_started = self.server.start.remote()

@@ -6,10 +6,11 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int, label: str = "", enabled: bool = True, stream=None):
+    def __init__(self, total: int, label: str = "", enabled: bool = True, stream=None, lines: bool = False):
+        """``lines``: one line per round even on a terminal (federations running side by side)."""
         self.total, self.label, self.enabled = total, label, enabled
         self.stream = stream or sys.stderr
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.tty = enabled and not lines and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.t0 = time.perf_counter()
 
     def update(self, rnd: int, train_loss: float, last_eval: dict) -> None:
