@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from raysim.config import apply_overrides, host_layout, load_config, RuntimeConfig
@@ -68,3 +70,12 @@ def test_host_layout():
     assert host_layout(RuntimeConfig(num_hosts=8), 5) == (5, 1)
     with pytest.raises(UserError, match="cannot hold"):
         host_layout(RuntimeConfig(num_hosts=2, clients_per_host=1), 5)
+
+
+SHIPPED = sorted(p for p in (Path(__file__).parents[2] / "configs").rglob("*.yaml") if "tune" not in p.parts)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.method_names() and cfg.rounds >= 1
