@@ -81,7 +81,7 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
     torch.set_num_threads(1)
     server = Server(cfg)
     server.start()
-    host = ClientHost(0, cfg, list(range(k)), gpu_ids=[])  # gpu_ids given: no Ray needed
+    host = ClientHost(0, cfg, num_hosts=1, gpu_ids=[])  # all clients; gpu_ids given: no Ray needed
     host.start()
     torch.set_num_threads(1)
     m = server.method

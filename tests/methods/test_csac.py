@@ -455,8 +455,8 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
         "hp": {"csac": {"stage1_epochs": 1}},
     })
     clients = [0, 1, 2]
-    host = ClientHost(0, cfg, clients + [3], gpu_ids=[])  # 3: the held-out domain's client
-    host.start()
+    host = ClientHost(0, cfg, num_hosts=1, gpu_ids=[])  # holds 0..2 and 3, the held-out domain's client
+    assert host.start()["clients"] == 4 and host.client_ids == clients + [3]
     m = host.method
     srv = m.init_server(host.model)
     refs = None
