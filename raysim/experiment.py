@@ -190,11 +190,11 @@ class FederationRun:
         server_started = self.server.start.remote()
         round_seconds, last_eval, rnd = [], {}, 0
         try:
-            early = self._launch_hosts_early()
+            self._launch_hosts_early()
             self.info = _get(server_started)
             self.n = self.info["num_clients"]
             self.num_hosts, _ = host_layout(cfg.runtime, self.n)
-            self._start_hosts(early)
+            self._start_hosts()
             self.domain_of = self.info["client_domains"].__getitem__
             self.requests = _eval_requests(cfg, _eval_clients(cfg, self.n), self.info)
             rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
@@ -230,42 +230,29 @@ class FederationRun:
         return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
                          last_eval, self.host_restarts)
 
-    def _launch_hosts_early(self):
+    def _launch_hosts_early(self) -> None:
         """With runtime.num_hosts fixed, the pool starts while the server loads the data (about
         half of a small federation's start-up); otherwise its size waits for the client count."""
         from raysim.runtime.cluster import launch_pool
         rt = self.cfg.runtime
-        if rt.num_hosts is None or rt.clients_per_host is not None:
-            return None
-        self.hosts, starts, self.pg = launch_pool(self.cfg, rt.num_hosts)
-        self._unawaited = starts
-        return starts
+        if rt.num_hosts is not None and rt.clients_per_host is None:
+            self.hosts, self._unawaited, self.pg = launch_pool(self.cfg, rt.num_hosts)
 
-    def _start_hosts(self, early=None) -> None:
+    def _start_hosts(self) -> None:
         from raysim.runtime.cluster import await_pool, create_pool, owner_of
         total = self.n + self.info["num_targets"]
-        if early is not None and len(self.hosts) == self.num_hosts:
-            await_pool(self.hosts, early, total, run_dir=self.run_dir)
-            self._unawaited = []
+        if self._unawaited and len(self.hosts) == self.num_hosts:  # launched early, at the right size
+            starts, self._unawaited = self._unawaited, []
+            await_pool(self.hosts, starts, total, run_dir=self.run_dir)
             self.owner = owner_of(self.num_hosts)
             return
-        if early is not None:  # fewer clients than runtime.num_hosts: start the pool again at its size
-            self._stop_hosts()
+        self._stop_hosts()  # an early pool larger than the clients (or nothing, normally)
         self.hosts, self.owner, self.pg = create_pool(self.cfg, self.num_hosts, total, run_dir=self.run_dir)
 
     def _stop_hosts(self) -> None:
-        import ray
-        for h in self.hosts:
-            ray.kill(h)
-        for ref in self._unawaited:  # collect the early pool's start() results: no "unhandled error" on exit
-            try:
-                ray.get(ref, timeout=10)
-            except Exception:
-                pass
-        self._unawaited = []
-        if self.pg is not None:
-            ray.util.remove_placement_group(self.pg)
-        self.hosts, self.pg = [], None
+        from raysim.runtime.cluster import stop_pool
+        stop_pool(self.hosts, self.pg, self._unawaited)
+        self.hosts, self.pg, self._unawaited = [], None, []
 
     def _stop(self) -> None:
         import ray

@@ -112,18 +112,29 @@ def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = Non
     """Start the ClientHost actors and wait for them; returns (hosts, owner(client_id) -> host
     index, placement group). With ``run_dir``, where each host landed (Ray node id and address,
     pid, device, threads, its clients) is written to ``run_dir/hosts.json``."""
-    import ray
-
     hosts, starts, pg = launch_pool(cfg, num_hosts)
     try:
         await_pool(hosts, starts, num_clients, run_dir)
     except BaseException:
-        for h in hosts:
-            ray.kill(h)
-        if pg is not None:
-            ray.util.remove_placement_group(pg)
+        stop_pool(hosts, pg)
         raise
     return hosts, owner_of(num_hosts), pg
+
+
+def stop_pool(hosts: list, pg, unawaited=()) -> None:
+    """Kill the hosts and free their placement group; collect start() refs nobody waited for, so
+    Ray reports no "unhandled error" for them on exit."""
+    import ray
+
+    for h in hosts:
+        ray.kill(h)
+    for ref in unawaited:
+        try:
+            ray.get(ref, timeout=10)
+        except Exception:
+            pass
+    if pg is not None:
+        ray.util.remove_placement_group(pg)
 
 
 def owner_of(num_hosts: int):
