@@ -21,20 +21,23 @@ Server (Algorithm 2 lines 5-10):
     w_i := w_i * M_i + W^{t-1} * (1 - M_i)             (pruned slots get the old global) (Eq. 6)
     W^t  = sum_i n_i / n * w_i                         (every state entry)               (Eq. 7)
 
-The masks (spec section 2.2, the official code's scheme; the paper says only "channel-wise l1"):
-per layer, the same ratio rho in every prunable layer, round(rho * C) channels pruned:
+The masks (Alg. 1 line 3: "channel-wise l1 norm", "rho_i determines the proportion of 0 in M_i^t"),
+per layer, the same ratio rho in every prunable layer, round(rho * C) channels pruned.
+Default ``prune_scheme = "filters"`` (L1 filter pruning, so the proportion of 0 in M is rho, as the paper
+states, and the footprint is the paper's (1 - rho) x dense of Tables 5-6):
   * the stem conv (first conv) and its norm: never pruned;
-  * the first conv after the stem and the first shortcut conv: output filters by L1;
-  * every other conv: input channels by the L1 of W[:, c], then output filters by the
-    L1 of (W * m_in)[c]; M = m_out x m_in (so ~(1 - rho)^2 of each such conv is kept);
+  * every other conv: the output filters with the smallest L1 norm sum|W[c]|;
   * norm weights (BN gamma) except the stem's: unstructured, smallest |gamma| zeroed;
     the shift (beta) and running statistics are never masked;
   * every nn.Linear: input columns by their L2 norm (the bias and the classes are kept).
-``prune_scheme = "filters"`` prunes output filters only (plain channel pruning, zeros ~ rho).
+``prune_scheme = "official"`` is the published code's scheme (spec section 2.2): the first conv after
+the stem and the first shortcut conv by output filters; every other conv by input channels (L1 of
+W[:, c]), then output filters (L1 of (W * m_in)[c]), M = m_out x m_in. It keeps ~(1 - rho)^2 of each
+such conv, so the proportion of 0 in M is ~1 - (1 - rho)^2, not rho (96% of the convs at rho = 0.8).
 
 Switches (defaults = the paper; ``official_compat`` = the published code's behaviour, spec
 section 10): fusion off, pruned slots averaged as zeros, DAR = gamma * mean_b ||z_b|| (not squared),
-plain batch-mean CE (no 1/|K_i|). The fine-tune epoch uses Eq. 5 too (the paper does not say; the
+plain batch-mean CE (no 1/|K_i|), the code's in + out channel masks. The fine-tune epoch uses Eq. 5 too (the paper does not say; the
 code does), and one SGD optimizer spans all E epochs, so momentum crosses the prune (code).
 
 Two choices the paper leaves open, and why (measured on digits5, 10 clients, rho tiers C1..C5):
@@ -93,12 +96,14 @@ class DapperFLHparams(Hparams):
     ce_norm: str = "batch"  # Eq. 4: "batch" plain batch-mean CE (code, spec 9.4) | "labels" CE / |K_i| (literal)
     dar_in_finetune: bool = True  # CE + gamma * DAR in the fine-tune epoch too (code)
     finetune_epochs: int = 1  # dense epochs before pruning (Alg. 1 line 1: one)
-    prune_scheme: str = "official"  # "official" (in + out channels) | "filters" (out only)
+    # "filters": output filters by L1, proportion of 0 in M = rho (paper) | "official": in + out channels (code)
+    prune_scheme: str = "filters"
     # BN running statistics of the upload (the paper is silent on them):
     # "recovered": re-estimated on the client's Eq.-6-recovered dense model (one forward pass over D_i) |
     # "pruned": those the pruned epochs leave (the literal reading: the global model then evaluates at chance)
     bn_stats: str = "recovered"
-    official_compat: bool = False  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch"
+    official_compat: bool = False  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch",
+    #                                prune_scheme="official"
 
     def __post_init__(self):
         def bad(key, expected):
@@ -164,6 +169,10 @@ class DapperFLHparams(Hparams):
     def use_ce_norm(self) -> str:
         return "batch" if self.official_compat else self.ce_norm
 
+    @property
+    def use_prune_scheme(self) -> str:
+        return "official" if self.official_compat else self.prune_scheme
+
 
 # ============================================================================= Eq. 2, Eq. 1
 
@@ -201,7 +210,7 @@ def top_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return mask
 
 
-def layer_roles(model: nn.Module, scheme: str = "official") -> dict[str, str]:
+def layer_roles(model: nn.Module, scheme: str = "filters") -> dict[str, str]:
     """Which layers are pruned and how: {module name: role}.
 
     Roles: "stem" (never pruned), "out" (output filters), "in_out" (input channels, then output
@@ -229,7 +238,7 @@ def layer_roles(model: nn.Module, scheme: str = "official") -> dict[str, str]:
 
 
 @torch.no_grad()
-def prune_masks(model: nn.Module, rho: float, scheme: str = "official") -> dict[str, torch.Tensor]:
+def prune_masks(model: nn.Module, rho: float, scheme: str = "filters") -> dict[str, torch.Tensor]:
     """{state-dict key of a weight: boolean mask of its shape} at pruning ratio ``rho``.
 
     Every prunable weight gets a mask (all True at rho = 0); a key that is absent is never pruned.
@@ -486,7 +495,7 @@ class DapperFL(Method):
                 alpha = self.alpha(ctx.round)
                 model.load_state_dict(fuse(received, model.state_dict(), alpha))
             # lines 3-4: masks on the fused weights, w <- w * M
-            masks = prune_masks(model, rho, hp.prune_scheme)
+            masks = prune_masks(model, rho, hp.use_prune_scheme)
             params = dict(model.named_parameters())
             active = {k: m.to(params[k].device, params[k].dtype) for k, m in masks.items() if not bool(m.all())}
             apply_masks(model, active)
@@ -571,7 +580,7 @@ def measure_footprint(model: nn.Module, rho: float, input_shape: tuple, masks: d
 
 
 def footprint_table(model: str | nn.Module = "resnet10", levels=PAPER_LEVELS, *, num_classes: int = 10,
-                    in_channels: int = 3, input_size: int = 32, scheme: str = "official",
+                    in_channels: int = 3, input_size: int = 32, scheme: str = "filters",
                     seed: int = 0, show: bool = True) -> list[dict]:
     """Per-tier footprint of the pruned local model: measured non-zero parameters and FLOPs next to
     the paper's nominal (1 - rho) x dense (Tables 5-6). The mask sizes do not depend on the weight
@@ -669,4 +678,4 @@ if __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "resnet10"
     size = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     footprint_table(name, input_size=size)
-    footprint_table(name, input_size=size, scheme="filters")
+    footprint_table(name, input_size=size, scheme="official")

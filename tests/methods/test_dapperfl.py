@@ -108,11 +108,11 @@ def test_fusion_blends_every_float_entry_and_keeps_local_counters():
 # ----------------------------------------------------------------------------- masks
 
 def test_layer_roles_stem_untouched_first_conv_and_first_shortcut_out_only():
-    roles = layer_roles(tiny_net())
+    roles = layer_roles(tiny_net(), "official")
     assert roles == {"features.conv1": "stem", "features.conv2": "out", "features.conv3": "in_out",
                      "features.bn1": "stem", "features.bn2": "norm", "features.bn3": "norm", "head": "linear"}
     from raysim.models import build
-    r = layer_roles(build("resnet10", num_classes=10))
+    r = layer_roles(build("resnet10", num_classes=10), "official")
     assert r["features.conv1"] == "stem" and r["features.bn1"] == "stem"
     assert r["features.layer1.0.conv1"] == "out" and r["features.layer2.0.shortcut.conv"] == "out"
     assert r["features.layer3.0.shortcut.conv"] == "in_out" and r["features.layer1.0.conv2"] == "in_out"
@@ -122,7 +122,7 @@ def test_layer_roles_stem_untouched_first_conv_and_first_shortcut_out_only():
 @pytest.mark.parametrize("rho, n_pruned", [(0.0, 0), (0.2, 1), (0.4, 2), (0.6, 3), (0.8, 4)])
 def test_masks_keep_exactly_the_highest_norm_channels(rho, n_pruned):
     net = hand_weights(tiny_net())
-    masks = prune_masks(net, rho)
+    masks = prune_masks(net, rho, "official")
     keep = 5 - n_pruned
     assert num_pruned(5, rho) == n_pruned
     assert set(masks) == {"features.conv2.weight", "features.conv3.weight", "features.bn2.weight",
@@ -142,6 +142,40 @@ def test_masks_keep_exactly_the_highest_norm_channels(rho, n_pruned):
     assert masks["head.weight"].any(0).sum() == keep
 
 
+@pytest.mark.parametrize("rho, n_pruned", [(0.0, 0), (0.2, 1), (0.4, 2), (0.6, 3), (0.8, 4)])
+def test_default_masks_prune_the_lowest_l1_filters_and_a_rho_share_of_every_layer(rho, n_pruned):
+    """The paper's reading: "rho_i determines the proportion of 0 in M_i^t", channel-wise L1."""
+    net = hand_weights(tiny_net())
+    assert DapperFL.Hparams().prune_scheme == "filters"
+    assert layer_roles(net) == {"features.conv1": "stem", "features.conv2": "out", "features.conv3": "out",
+                                "features.bn1": "stem", "features.bn2": "norm", "features.bn3": "norm",
+                                "head": "linear"}
+    masks = prune_masks(net, rho)
+    keep = 5 - n_pruned
+    # conv3 filter L1 = a[o] * sum(b) = 15 * [2, 5, 1, 4, 3]: rank 1 > 3 > 4 > 0 > 2; every input kept
+    m3 = masks["features.conv3.weight"][:, :, 0, 0]
+    assert kept(m3.any(1)) == set([1, 3, 4, 0, 2][:keep]) and torch.equal(m3, m3.any(1, keepdim=True).expand(5, 5))
+    assert kept(masks["features.conv2.weight"][:, :, 0, 0].any(1)) == set([3, 0, 4, 1, 2][:keep])
+    assert kept(masks["features.bn3.weight"]) == set([1, 4, 2, 0, 3][:keep])
+    assert kept(masks["head.weight"].all(0)) == set([4, 0, 1, 2, 3][:keep])
+    for key, m in masks.items():  # exactly rho of every pruned tensor is 0 (5 channels: rho * 5 is whole)
+        assert int((~m).sum()) == pytest.approx(rho * m.numel()), key
+
+
+def test_default_masks_on_resnet10_keep_the_nominal_share():
+    from raysim.models import build
+    net = build("resnet10", num_classes=10)
+    for rho in (0.2, 0.4, 0.6, 0.8):
+        masks = prune_masks(net, rho)
+        for key, m in masks.items():  # round(rho * C) of C channels pruned in every layer
+            c = m.shape[1] if key == "head.weight" else m.shape[0]
+            assert int((~m).sum()) == num_pruned(c, rho) * (m.numel() // c), key
+            assert abs(int((~m).sum()) / m.numel() - rho) <= 0.5 / c
+    # the code's scheme, for contrast, zeroes 1 - (1 - rho)^2 of an in+out conv: 96% at rho = 0.8
+    official = prune_masks(net, 0.8, "official")["features.layer3.0.conv2.weight"]
+    assert int(official.sum()) == 51 * 51 * 9 and float((~official).float().mean()) > 0.95
+
+
 def test_out_mask_is_scored_on_the_in_masked_weights():
     # W[0] = [1, 0], W[1] = [0.4, 0.9]: in-norms 1.4 > 0.9 keep input 0; on that input filter 0 (1.0)
     # beats filter 1 (0.4), although filter 1 has the larger L1 overall (1.3 > 1.0).
@@ -150,7 +184,7 @@ def test_out_mask_is_scored_on_the_in_masked_weights():
     with torch.no_grad():
         conv.weight.copy_(torch.tensor([[1.0, 0.0], [0.4, 0.9]]).view(2, 2, 1, 1))
     net.features.conv3 = conv
-    m = prune_masks(net, 0.5)["features.conv3.weight"].view(2, 2)
+    m = prune_masks(net, 0.5, "official")["features.conv3.weight"].view(2, 2)
     assert torch.equal(m, torch.tensor([[True, False], [False, False]]))
 
 
@@ -159,7 +193,7 @@ def test_resnet_mask_sizes_match_the_spec_count():
     net = build("resnet10", num_classes=10)
     total = sum(p.numel() for p in net.parameters())
     assert total == 4_903_242
-    masks = prune_masks(net, 0.2)
+    masks = prune_masks(net, 0.2, "official")
     assert total - sum(int((~m).sum()) for m in masks.values()) == 3_151_527  # spec section 7.4
     assert all(bool(m.all()) for m in prune_masks(net, 0.0).values())
     # layer2.0.conv2 (128 -> 128): 102 of 128 inputs and outputs kept, 102 * 102 * 9 entries
@@ -170,7 +204,7 @@ def test_resnet_mask_sizes_match_the_spec_count():
 
 def test_masked_conv_equals_the_physically_compact_conv():
     net = tiny_net(seed=3)
-    masks = prune_masks(net, 0.4)
+    masks = prune_masks(net, 0.4, "official")
     apply_masks(net, masks)
     m = masks["features.conv3.weight"][:, :, 0, 0]
     outs, ins = torch.nonzero(m.any(1)).flatten(), torch.nonzero(m.any(0)).flatten()
@@ -186,7 +220,7 @@ def test_masked_conv_equals_the_physically_compact_conv():
 def test_pruned_forward_matches_dense_model_with_those_channels_zeroed():
     net = hand_weights(tiny_net(seed=1))
     dense = copy.deepcopy(net)
-    apply_masks(net, prune_masks(net, 0.4))
+    apply_masks(net, prune_masks(net, 0.4, "official"))
     with torch.no_grad():  # zero by hand the channels the rankings above prune at rho = 0.4
         dense.features.conv3.weight[[0, 2]] = 0  # output filters 0, 2
         dense.features.conv3.weight[:, [3, 1]] = 0  # input channels 3, 1
@@ -280,11 +314,13 @@ def test_hparams_types_and_errors():
     assert hp.rho_levels == (0.0, 0.5) and hp.tier_shares == (1.0, 3.0) and hp.gamma == 0.0
     d = DapperFL.Hparams()
     assert (d.alpha0, d.alpha_min, d.epsilon, d.gamma, d.rho_levels) == (0.9, 0.1, 0.2, 0.01, (0, .2, .4, .6, .8))
-    assert (d.use_fusion, d.use_recovery, d.use_dar_form, d.use_ce_norm) == (True, "global", "squared", "batch")
+    assert (d.use_fusion, d.use_recovery, d.use_dar_form, d.use_ce_norm, d.use_prune_scheme) == (
+        True, "global", "squared", "batch", "filters")
     assert d.bn_stats == "recovered"
     assert d.fuse_from_round == 1
     o = DapperFL.hparams_from({"official_compat": True})
-    assert (o.use_fusion, o.use_recovery, o.use_dar_form, o.use_ce_norm) == (False, "zero", "l2", "batch")
+    assert (o.use_fusion, o.use_recovery, o.use_dar_form, o.use_ce_norm, o.use_prune_scheme) == (
+        False, "zero", "l2", "batch", "official")
     for bad in ({"rho_levels": [1.0]}, {"tier_shares": [1, 2]}, {"recovery": "mean"}, {"rho": 1.5},
                 {"dar_form": "l1"}, {"bn_stats": "dense"}, {"nope": 1}):
         with pytest.raises(UserError):
@@ -315,7 +351,11 @@ def test_local_update_trains_the_masked_model_and_reports_its_footprint():
     g = DapperFL(DapperFL.hparams_from({"rho": 0.4, "fuse_from_round": 2}), setup())
     assert g.local_update(context(g, tiny_net(), rnd=1)).metrics["alpha"] == 0.0
     o = DapperFL(DapperFL.hparams_from({"rho": 0.4, "official_compat": True}), setup())
-    assert o.local_update(context(o, tiny_net(), rnd=3)).metrics["alpha"] == 0.0
+    up_o = o.local_update(context(o, tiny_net(), rnd=3))
+    assert up_o.metrics["alpha"] == 0.0
+    # the default prunes conv3's output filters only; official_compat also its input channels
+    m3, o3 = masks["features.conv3.weight"][:, :, 0, 0], up_o.extras["masks"]["features.conv3.weight"][:, :, 0, 0]
+    assert int(m3.sum()) == 3 * 5 and int(o3.sum()) == 3 * 3
 
 
 def test_local_update_rho_zero_one_epoch_and_step_cap():
@@ -344,12 +384,17 @@ def test_client_loss_is_ce_over_the_client_labels():
 
 
 def test_footprint_table_resnet10_matches_nominal_and_measured_counts():
-    rows = footprint_table("resnet10", (0.0, 0.2), show=False)
+    rows = footprint_table("resnet10", (0.0, 0.2), scheme="official", show=False)
     assert rows[0]["kept_params"] == rows[0]["params"] == 4_903_242
     assert rows[0]["flops"] == rows[0]["flops_dense"] == pytest.approx(254.17e6, rel=1e-4)  # Table 5 basis
     assert rows[1]["nominal_params"] == pytest.approx(3.92e6, rel=1e-3)  # Table 5: 3.92M
     assert rows[1]["nominal_flops"] == pytest.approx(203.34e6, rel=1e-4)  # Table 5: 203.34M
     assert rows[1]["kept_params"] == 3_151_527 and rows[1]["flops"] < rows[1]["nominal_flops"]
+    # the default (paper) masks: measured within 0.5% of Table 5's nominal 3.92M / 203.34M at rho = 0.2
+    paper = footprint_table("resnet10", (0.2, 0.8), show=False)
+    assert paper[0]["kept_params"] == pytest.approx(3.92e6, rel=2e-3)
+    assert paper[0]["flops"] == pytest.approx(203.34e6, rel=2e-3)
+    assert paper[1]["kept_params"] == pytest.approx(0.98e6, rel=2e-3)  # Table 5: 0.98M at rho = 0.8
 
 
 def test_without_pruning_fusion_and_dar_it_is_fedavg():
