@@ -234,6 +234,12 @@ class Method:
         load_tensors(model, payload["global"])
         return model
 
+    # ---- report ---------------------------------------------------------------------------
+    @classmethod
+    def report_markdown(cls, run_dir: str) -> str:
+        """Method-specific sections appended to a run's summary.md (markdown; "" for none)."""
+        return ""
+
 
 # ----------------------------------------------------------------------------- helpers
 

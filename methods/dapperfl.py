@@ -534,6 +534,18 @@ class DapperFL(Method):
         shape = tuple(getattr(model, "input_shape", None) or self.setup.image_shape)
         return measure_footprint(model, rho, shape, masks)
 
+    @classmethod
+    def report_markdown(cls, run_dir: str) -> str:
+        """summary.md gets the footprint each tier's clients measured (Tables 5-6)."""
+        try:
+            rows = footprint_from_run(run_dir, show=False)
+        except UserError:  # nothing trained yet
+            return ""
+        from raysim.metrics import read
+        import os
+        last = int(read(os.path.join(run_dir, "metrics.parquet"))["round"].max())
+        return footprint_markdown(rows, _run_label(run_dir, last))
+
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads: Uploads, round: int) -> dict:
         if not uploads.each:
@@ -651,20 +663,38 @@ def footprint_from_run(run_dir: str, show: bool = True) -> list[dict]:
                      "params_frac": float(f["kept_params"] / f["params"]),
                      "flops_frac": float(f["flops"] / f["flops_dense"])})
     if show:
-        import yaml
-        cfg_path = os.path.join(d, "config.yaml")
-        label = d
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as fh:
-                cfg = yaml.safe_load(fh) or {}
-            model = (cfg.get("model") or {}).get("name", "?")
-            size = ((cfg.get("data") or {}).get("options") or {}).get("image_size")
-            label = f"{model}{f' at {size} px' if size else ''}, measured by the clients of {d} " \
-                    f"(round {int(last['round'].max())})"
-        print(format_footprint(rows, label))
+        print(format_footprint(rows, _run_label(d, int(last["round"].max()))))
         for r in rows:
             print(f"  {r['tier']}: clients {r['clients']}")
     return rows
+
+
+def _run_label(run_dir: str, round: int) -> str:
+    import os
+    import yaml
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        return run_dir
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh) or {}
+    model = (cfg.get("model") or {}).get("name", "?")
+    size = ((cfg.get("data") or {}).get("options") or {}).get("image_size")
+    scheme = ((cfg.get("hp") or {}).get("dapperfl") or {}).get("prune_scheme", DapperFLHparams.prune_scheme)
+    return f"{model}{f' at {size} px' if size else ''}, {scheme} masks, measured by the clients (round {round})"
+
+
+def footprint_markdown(rows: list[dict], label: str) -> str:
+    """The per-tier footprint as a markdown section (appended to a run's summary.md)."""
+    out = [f"## DapperFL footprint per capability tier: {label}", "",
+           "| tier | rho | clients | nominal #Para | measured #Para | fraction | nominal FLOPs | measured FLOPs "
+           "| fraction |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['tier']} | {r['rho']:.1f} | {r.get('clients', '')} | {r['nominal_params'] / 1e6:.3f}M "
+                   f"| {r['kept_params'] / 1e6:.3f}M | {r['params_frac']:.3f} | {r['nominal_flops'] / 1e6:.2f}M "
+                   f"| {r['flops'] / 1e6:.2f}M | {r['flops_frac']:.3f} |")
+    out += ["", "nominal = (1 - rho) x dense, the paper's Tables 5-6; measured #Para = parameters the masks keep; "
+            "measured FLOPs = multiply-accumulates with a non-zero weight + 2 per norm output (thop convention)."]
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -169,6 +169,17 @@ def _read(d: str) -> pd.DataFrame:
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
 
 
+def _method_sections(name: str, run_dir: str) -> str:
+    """What the method itself adds to the summary (its ``report_markdown`` hook)."""
+    from raysim.methods import registry
+    try:
+        cls = registry.get(_method_of(run_dir))
+    except UserError:  # a folder named after no method of this build
+        return ""
+    text = cls.report_markdown(run_dir)
+    return f"\n{text.rstrip()}\n" if text else ""
+
+
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
     dirs = method_dirs(run_dir)
@@ -186,6 +197,7 @@ def render(run_dir: str) -> str:
     else:
         frames = {name: _read(d) for name, d in dirs.items()}
         text = summary_markdown([summarize(df, name) for name, df in frames.items()], title)
+        text += "".join(_method_sections(name, d) for name, d in dirs.items())
     tmp = os.path.join(run_dir, "summary.md.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
