@@ -37,8 +37,9 @@ such conv, so the proportion of 0 in M is ~1 - (1 - rho)^2, not rho (96% of the 
 
 Switches (defaults = the paper; ``official_compat`` = the published code's behaviour, spec
 section 10): fusion off, pruned slots averaged as zeros, DAR = gamma * mean_b ||z_b|| (not squared),
-plain batch-mean CE (no 1/|K_i|), the code's in + out channel masks. The fine-tune epoch uses Eq. 5 too (the paper does not say; the
-code does), and one SGD optimizer spans all E epochs, so momentum crosses the prune (code).
+plain batch-mean CE (no 1/|K_i|), the code's in + out channel masks. The fine-tune epoch uses Eq. 5
+too (the paper does not say; the code does), and one SGD optimizer spans all E epochs, so momentum
+crosses the prune (code).
 
 Two choices the paper leaves open, and why (measured on digits5, 10 clients, rho tiers C1..C5):
   * BN running statistics (``bn_stats``). The paper never mentions them; read literally, the upload
@@ -541,10 +542,7 @@ class DapperFL(Method):
             rows = footprint_from_run(run_dir, show=False)
         except UserError:  # nothing trained yet
             return ""
-        from raysim.metrics import read
-        import os
-        last = int(read(os.path.join(run_dir, "metrics.parquet"))["round"].max())
-        return footprint_markdown(rows, _run_label(run_dir, last))
+        return footprint_markdown(rows, _run_label(run_dir, rows[0]["round"]))
 
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads: Uploads, round: int) -> dict:
@@ -650,20 +648,21 @@ def footprint_from_run(run_dir: str, show: bool = True) -> list[dict]:
     df = df[(df.split == "train") & (df.client >= 0)]
     if "kept_params" not in set(df.metric):
         raise UserError(f"{d} holds no footprint metrics (not a DapperFL run?)")
-    last = df[df["round"] == df["round"].max()]
+    round_ = int(df["round"].max())
+    last = df[df["round"] == round_]
     wide = last.pivot_table(index="client", columns="metric", values="value", aggfunc="first")
     domains = dict(zip(last.client, last.domain))
     rows = []
     for tier, g in wide.groupby("tier", sort=True):
         f = g.iloc[0]
         clients = ", ".join(f"{int(c)} ({domains[c]})" for c in g.index)
-        rows.append({"tier": f"C{int(tier) + 1}", "rho": float(f["rho"]), "clients": clients,
+        rows.append({"tier": f"C{int(tier) + 1}", "rho": float(f["rho"]), "clients": clients, "round": round_,
                      **{k: float(f[k]) for k in ("params", "kept_params", "nonzero_params", "flops_dense", "flops",
                                                  "nominal_params", "nominal_flops")},
                      "params_frac": float(f["kept_params"] / f["params"]),
                      "flops_frac": float(f["flops"] / f["flops_dense"])})
     if show:
-        print(format_footprint(rows, _run_label(d, int(last["round"].max()))))
+        print(format_footprint(rows, _run_label(d, round_)))
         for r in rows:
             print(f"  {r['tier']}: clients {r['clients']}")
     return rows
@@ -679,7 +678,7 @@ def _run_label(run_dir: str, round: int) -> str:
         cfg = yaml.safe_load(fh) or {}
     model = (cfg.get("model") or {}).get("name", "?")
     size = ((cfg.get("data") or {}).get("options") or {}).get("image_size")
-    scheme = ((cfg.get("hp") or {}).get("dapperfl") or {}).get("prune_scheme", DapperFLHparams.prune_scheme)
+    scheme = DapperFL.hparams_from((cfg.get("hp") or {}).get("dapperfl")).use_prune_scheme  # official_compat too
     return f"{model}{f' at {size} px' if size else ''}, {scheme} masks, measured by the clients (round {round})"
 
 

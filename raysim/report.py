@@ -169,7 +169,7 @@ def _read(d: str) -> pd.DataFrame:
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
 
 
-def _method_sections(name: str, run_dir: str) -> str:
+def _method_sections(run_dir: str) -> str:
     """What the method itself adds to the summary (its ``report_markdown`` hook)."""
     from raysim.methods import registry
     try:
@@ -197,7 +197,7 @@ def render(run_dir: str) -> str:
     else:
         frames = {name: _read(d) for name, d in dirs.items()}
         text = summary_markdown([summarize(df, name) for name, df in frames.items()], title)
-        text += "".join(_method_sections(name, d) for name, d in dirs.items())
+        text += "".join(_method_sections(d) for d in dirs.values())
     tmp = os.path.join(run_dir, "summary.md.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)

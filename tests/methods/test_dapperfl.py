@@ -488,7 +488,7 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
         footprint_from_run(str(tmp_path / "nothing"))
     # the same rows go into summary.md through the method's report hook
     from raysim.report import _method_sections
-    md = _method_sections("dapperfl", str(tmp_path / "dapperfl"))
+    md = _method_sections(str(tmp_path / "dapperfl"))
     c5 = f"| C5 | 0.8 | 4 (d2) | {0.2 * metrics[4]['params'] / 1e6:.3f}M | {metrics[4]['kept_params'] / 1e6:.3f}M |"
     assert "## DapperFL footprint per capability tier" in md and c5 in md
     assert DapperFL.report_markdown(str(tmp_path / "nothing")) == ""
