@@ -15,7 +15,8 @@ Client i, round t (Algorithm 1 = local epoch 1, then Algorithm 2 lines 1-3):
         (ce_norm="labels": CE / |K_i|, Eq. 4 read literally; see below)
         SGD step, then pruned entries back to 0
     BN running statistics <- those of w * M + W^{t-1} * (1 - M) on D_i     (bn_stats, see below)
-    upload w * M, M (in Upload.extras["masks"]), n_i, and the real footprint
+    upload w * M, M (in Upload.extras["masks"]), n_i, the real footprint, and z_norm = mean ||z_b||
+    over the round's batches (a representation the DAR term has collapsed shows as z_norm -> 0)
 
 Server (Algorithm 2 lines 5-10):
     w_i := w_i * M_i + W^{t-1} * (1 - M_i)             (pruned slots get the old global) (Eq. 6)
@@ -298,7 +299,8 @@ def local_objective(logits: torch.Tensor, y: torch.Tensor, z: torch.Tensor | Non
 
 
 class RepresentationTap:
-    """Captures z, the input of the predictor g_p (the last Linear), on every forward pass."""
+    """Captures z, the input of the predictor g_p (the last Linear), on every forward pass, and keeps
+    the running mean of ||z_b||_2 so a run shows whether the DAR term is collapsing the representation."""
 
     def __init__(self, model: nn.Module):
         head = getattr(model, "head", None)
@@ -308,10 +310,18 @@ class RepresentationTap:
                 raise UserError("DapperFL needs a model whose last layer is an nn.Linear (the predictor)")
             head = linears[-1]
         self.z = None
+        self.norm_sum, self.batches = 0.0, 0
         self._handle = head.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, inputs):
         self.z = inputs[0]
+        self.norm_sum += float(self.z.detach().flatten(1).norm(p=2, dim=1).mean())
+        self.batches += 1
+
+    @property
+    def mean_norm(self) -> float:
+        """mean over the forward passes so far of mean_b ||z_b||_2."""
+        return self.norm_sum / max(self.batches, 1)
 
     def remove(self):
         self._handle.remove()
@@ -507,6 +517,7 @@ class DapperFL(Method):
                                   optimizer=opt, epochs=pruned_epochs,
                                   after_step=lambda m: apply_masks(m, active))
         finally:
+            z_norm = tap.mean_norm
             tap.remove()
         steps = s1["steps"] + s2["steps"]
         loss = (s1["loss"] * s1["steps"] + s2["loss"] * s2["steps"]) / max(steps, 1)
@@ -516,7 +527,7 @@ class DapperFL(Method):
             # here, to the client's own upload), not of the pruned sub-network (module docstring)
             self.recovered_bn_stats(ctx, sent, received)
         metrics = {"loss": loss, "steps": steps, "rho": rho, "tier": self.client_tier(ctx.client_id),
-                   "alpha": alpha, **self.footprint(model, rho, masks)}
+                   "alpha": alpha, "z_norm": z_norm, **self.footprint(model, rho, masks)}
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
         return Upload(tensors=tensors, weight=client_weight(ctx), extras={"masks": sent}, metrics=metrics)
 

@@ -25,6 +25,7 @@ from raysim.progress import Progress
 from raysim.runtime.seeding import SERVER, rng_for
 
 MAX_HOST_RESTARTS = 3
+SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
 
 @dataclass
@@ -123,10 +124,21 @@ def parallel_slots(cfg: ExperimentConfig, num_jobs: int) -> int:
         return max(1, min(rt.parallel_federations, num_jobs))
     if get_current_placement_group() is not None or rt.num_hosts is None:
         return 1
-    free = ray.available_resources()
-    fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
-    if rt.gpus_per_host:
-        fits = min(fits, int((free.get("GPU", 0) + 1e-9) // (rt.gpus_per_host * rt.num_hosts)))
+    def fits_now() -> int:
+        free = ray.available_resources()
+        fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
+        if rt.gpus_per_host:
+            fits = min(fits, int((free.get("GPU", 0) + 1e-9) // (rt.gpus_per_host * rt.num_hosts)))
+        return fits
+
+    # Ray frees a killed actor's resources asynchronously, so right after a previous run the free
+    # count can lag by a few hundred ms; look a few times before settling for fewer slots.
+    fits = fits_now()
+    for _ in range(SLOT_SETTLE_TRIES):
+        if fits >= num_jobs:
+            break
+        time.sleep(SLOT_SETTLE_S)
+        fits = max(fits, fits_now())
     return max(1, min(fits, num_jobs))
 
 

@@ -263,6 +263,20 @@ def test_dar_by_hand_and_the_tap_sees_the_predictor_input():
     assert tap.z is None
 
 
+def test_the_tap_reports_the_mean_representation_norm_over_its_forward_passes():
+    """z_norm, the collapse check in each client's metrics: mean over batches of mean_b ||z_b||."""
+    net = tiny_net().eval()
+    tap = RepresentationTap(net)
+    x1, x2 = torch.randn(2, 3, 6, 6), torch.randn(3, 3, 6, 6)
+    with torch.no_grad():
+        net(x1)
+        net(x2)
+        by_hand = [net.features(x).flatten(1).norm(dim=1).mean().item() for x in (x1, x2)]
+    assert tap.batches == 2
+    assert tap.mean_norm == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    tap.remove()
+
+
 # ----------------------------------------------------------------------------- Eqs. 6-7
 
 def test_aggregation_fills_pruned_slots_from_the_previous_global_model():
@@ -343,6 +357,7 @@ def test_local_update_trains_the_masked_model_and_reports_its_footprint():
     assert not torch.equal(up.tensors["features.conv1.weight"], ctx.payload["global"]["features.conv1.weight"])
     mt = up.metrics
     assert mt["steps"] == 3 * 2 and mt["rho"] == 0.4 and mt["alpha"] == pytest.approx(0.72)
+    assert mt["z_norm"] > 0  # a fresh tiny net's representation is not collapsed
     assert mt["kept_params"] == mt["params"] - sum(int((~k).sum()) for k in masks.values())
     assert mt["nominal_params"] == pytest.approx(0.6 * mt["params"]) and mt["flops"] < mt["flops_dense"]
     assert up.weight == 8.0
