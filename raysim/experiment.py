@@ -124,6 +124,7 @@ def parallel_slots(cfg: ExperimentConfig, num_jobs: int) -> int:
         return max(1, min(rt.parallel_federations, num_jobs))
     if get_current_placement_group() is not None or rt.num_hosts is None:
         return 1
+
     def fits_now() -> int:
         free = ray.available_resources()
         fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
