@@ -164,9 +164,14 @@ def evaluate(model, split, positions, batch_size: int = 256) -> dict:
     return {"correct": correct, "n": n}
 
 
-def headline(results: dict[int, dict]) -> dict:
-    """AVG (mean of the clients' accuracies) and ALL (pooled accuracy), as raysim reports them."""
-    accs = [r["correct"] / r["n"] for r in results.values() if r["n"]]
+def headline(results: dict[int, dict], domain_of) -> dict:
+    """AVG (mean over domains of their pooled accuracy) and ALL (pooled accuracy), as raysim reports them."""
+    pooled: dict[str, list[int]] = {}
+    for cid, r in results.items():
+        p = pooled.setdefault(domain_of(cid), [0, 0])
+        p[0] += r["correct"]
+        p[1] += r["n"]
+    accs = [c / n for c, n in pooled.values() if n]
     c = sum(r["correct"] for r in results.values())
     n = sum(r["n"] for r in results.values())
     return {"AVG": float(np.mean(accs)) if accs else float("nan"), "ALL": c / n if n else float("nan")}
@@ -219,7 +224,7 @@ def run_plain(spec: dict, threads: int | None = None, rounds: int | None = None)
         losses.append(float(np.mean(round_loss)))
         if rnd == rounds:  # raysim evaluates after the last round; so does the plain loop
             load_weights(model, global_w)
-            final_eval = headline(evaluate_clients(fed, model, eval_clients))
+            final_eval = headline(evaluate_clients(fed, model, eval_clients), fed.partition.domain)
         round_seconds.append(time.perf_counter() - t_round)
         round_cpu.append(time.process_time() - c_round)
     return {"startup_seconds": startup, "round_seconds": round_seconds, "round_cpu": round_cpu, "train_loss": losses,

@@ -133,6 +133,24 @@ class ClientContext:
     profile: dict = field(default_factory=dict)
 
 
+@dataclass
+class UnseenClient:
+    """A client that never trained (a held-out domain, or a new client as in FDSE's Table 2): what
+    a method's label-free adaptation may use. Its images come without labels."""
+    client_id: int
+    domain: str
+    round: int  # the round after which it is evaluated
+    data: ClientData  # ``data.test`` is the split it is evaluated on
+    train: Any  # TrainConfig
+    lr: float  # the learning rate of the last training round (FDSE Alg. 3's step size)
+    generator: torch.Generator  # keyed by (seed, round, client, "adapt")
+    device: torch.device
+
+    def unlabeled_batches(self, batch_size: int) -> Iterator[torch.Tensor]:
+        """One shuffled pass over the images the client is evaluated on, without their labels."""
+        return self.data.test.unlabeled_batches(batch_size, self.generator, self.device)
+
+
 # ----------------------------------------------------------------------------- the contract
 
 class Method:
@@ -230,9 +248,19 @@ class Method:
         return model
 
     def global_eval_model(self, model: nn.Module, payload: dict) -> nn.Module:
-        """The model evaluated for the global protocol (and on unseen domains)."""
+        """The global model (``eval.protocol`` global and lodo), built on the initial model.
+
+        Tensors the broadcast lacks (FedBN's BN layers, Local's whole model) come from
+        ``payload["personal_mean"]``: the uniform mean of the last round's clients' personal
+        tensors, which the engine gathers for evaluation only under the global and lodo protocols."""
         load_tensors(model, payload["global"])
+        load_tensors(model, payload.get("personal_mean", {}))
         return model
+
+    def adapt_to_unseen(self, model: nn.Module, client: UnseenClient) -> bool:
+        """Label-free adaptation of the global model to an unseen client before it is evaluated
+        (FedBN: BN statistics, FDSE: Alg. 3). Returns whether it changed anything; FedAvg: none."""
+        return False
 
     # ---- report ---------------------------------------------------------------------------
     @classmethod

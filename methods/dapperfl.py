@@ -72,6 +72,7 @@ from torch import nn
 
 from raysim.errors import UserError
 from raysim.methods.base import ClientContext, Hparams, Method, Space, Upload, Uploads, client_weight
+from raysim.training import collect_bn_stats
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # rho of capability tiers C_1..C_5 (Sec. 4.2)
 
@@ -328,48 +329,6 @@ class RepresentationTap:
         self.z = None
 
 
-# ============================================================================= BN statistics
-
-def batchnorms(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-
-
-@torch.no_grad()
-def reestimate_bn_stats(model: nn.Module, batches) -> dict:
-    """Running mean/var of every BN layer re-estimated from scratch as the plain average over
-    ``batches`` (train-mode forward passes, no gradient); returns those entries of the state dict.
-    The batch counters are left as they were."""
-    bns = batchnorms(model)
-    if not bns:
-        return {}
-    saved = [(m.momentum, m.num_batches_tracked.clone(), m.running_mean.clone(), m.running_var.clone())
-             for m in bns]
-    was_training = model.training
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None  # cumulative average
-    model.train()
-    seen = 0
-    for x, _ in batches:
-        model(x)
-        seen += 1
-    model.train(was_training)
-    for m, (mom, count, mean, var) in zip(bns, saved):
-        m.momentum = mom
-        m.num_batches_tracked.copy_(count)
-        if seen == 0:  # no data: keep the statistics as they were
-            m.running_mean.copy_(mean)
-            m.running_var.copy_(var)
-    names = {id(m): n for n, m in model.named_modules()}
-    out = {}
-    for m in bns:
-        prefix = f"{names[id(m)]}." if names[id(m)] else ""
-        out[prefix + "running_mean"] = m.running_mean.detach().clone()
-        out[prefix + "running_var"] = m.running_var.detach().clone()
-    return out
-
-
 # ============================================================================= Eq. 6-7
 
 def recover(tensors: dict, masks: dict, prev_global: dict, mode: str = "global") -> dict:
@@ -537,7 +496,7 @@ class DapperFL(Method):
         model = ctx.model
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.load_state_dict(recover(trained, masks, received, self.hp.use_recovery))
-        stats = reestimate_bn_stats(model, ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device))
+        stats = collect_bn_stats(model, ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device))
         trained.update(stats)
         model.load_state_dict(trained)
 

@@ -21,6 +21,12 @@ Server (Alg. 1 line 12), each state-dict tensor separately:
     theta_v: V = [theta_v,1 ; ... ; theta_v,N], Q = K = row-normalised V,
              [theta_v,k,next]_k = softmax(Q K^T / tau) V; client k receives row k           (Eq. 9)
     BN_DFE running stats: plain mean over clients.
+
+Unseen client (Sec. 5.4, Alg. 3; spec 9.26): theta_u and the BN_DFE statistics as broadcast,
+theta_v = the uniform mean of the clients' Eq. 9 mixes, BN_DSE statistics = the uniform mean of
+the clients'; then, label-free on its unlabeled data, E' epochs of SGD (step size eta = the last
+training round's lr, batch 50) on theta_v alone to minimise sum_l w_l L_Con^(l) against the frozen
+BN_DFE statistics (BN_DFE in eval mode, BN_DSE in train mode, re-estimating its statistics).
 """
 from __future__ import annotations
 
@@ -55,6 +61,10 @@ class FDSEHparams(Hparams):
     skip_first_round: bool = True  # no L_Con in round 1 (global BN stats still at 0 / 1)
     shared_agg: str = "consensus"  # "consensus" (Eq. 8) | "mean" (ablation "w/o A": FedAvg mean)
     dse_agg: str = "attention"  # "attention" (Eq. 9) | "local" (ablation "w/o B") | "mean"
+    # ---- unseen-client adaptation (Alg. 3; the paper gives no E or eta: spec 9.26) ----
+    adapt_epochs: int = 5  # 0: no adaptation (Table 2's "- align" row)
+    adapt_lr: float = 0.0  # eta; 0: the learning rate of the last training round
+    adapt_batch: int = 50
 
     def __post_init__(self):
         choices = {"dse_act": ACTIVATIONS, "con_mode": ("paper", "code_v2"),
@@ -69,6 +79,9 @@ class FDSEHparams(Hparams):
             raise UserError(f"hyperparameter 'hp.fdse.lam' = {self.lam}: expected >= 0")
         if not 0 <= self.gamma < 1:
             raise UserError(f"hyperparameter 'hp.fdse.gamma' = {self.gamma}: expected 0 <= gamma < 1")
+        if self.adapt_epochs < 0 or self.adapt_lr < 0 or self.adapt_batch < 2:
+            raise UserError("hyperparameters 'hp.fdse.adapt_epochs' >= 0, 'adapt_lr' >= 0 and 'adapt_batch' >= 2 "
+                            f"expected; got {self.adapt_epochs}, {self.adapt_lr}, {self.adapt_batch}")
         if self.G < 2 or self.dw < 1 or self.dw_fc < 1 or self.dw % 2 == 0 or self.dw_fc % 2 == 0:
             raise UserError("hyperparameters 'hp.fdse.G' >= 2 and odd 'hp.fdse.dw'/'dw_fc' >= 1 expected")
 
@@ -143,10 +156,12 @@ class ConsistencyRegularizer:
         self.chain: tuple | None = None  # code_v2: one (mean, var) pair chained over layers and steps
         self.total, self.steps = 0.0, 0
 
-    def attach(self) -> list:
+    def attach(self, in_eval_mode: bool = False) -> list:
+        """Capture each BN_DFE input in training forward passes (or in every forward pass: Alg. 3
+        adapts with BN_DFE in eval mode)."""
         def capture(index):
             def hook(module, inputs):
-                if module.training:
+                if module.training or in_eval_mode:
                     self.z[index] = inputs[0]
             return hook
         return [bn.register_forward_pre_hook(capture(i)) for i, bn in enumerate(self.layers)]
@@ -329,15 +344,8 @@ class FDSE(Method):
                 "dse": {}}  # client id -> its Eq. 9 mix (Alg. 1 line 2: the initial DSE until then)
 
     def client_payload(self, state, client_id, round):
-        mixes = state["dse"]
-        if client_id in mixes:
-            return {"dse": mixes[client_id]}
-        n = getattr(self.setup, "num_clients", None)
-        if mixes and n is not None and client_id >= n:
-            # an unseen-domain client (leave-one-domain-out): the uniform mean of the training
-            # clients' DSE tensors (spec 9.26); the paper then adapts them (Alg. 3, not run here)
-            return {"dse": {k: torch.stack([m[k] for m in mixes.values()]).mean(0) for k in state["dse_init"]}}
-        return {"dse": state["dse_init"]}  # Alg. 1 line 2: theta_v,k^0 = theta_v^0
+        # Alg. 1 line 2: theta_v,k^0 = theta_v^0 until the client's first Eq. 9 mix
+        return {"dse": state["dse"].get(client_id, state["dse_init"])}
 
     def aggregate(self, state: dict, uploads: Uploads, round: int) -> dict:
         each = uploads.each or {}
@@ -396,3 +404,48 @@ class FDSE(Method):
         if reg is not None and reg.steps:
             stats["con_loss"] = reg.total / reg.steps
         return self.upload(ctx, stats)
+
+    # ---- the global model and an unseen client (Sec. 5.4, Alg. 3) ---------------------------
+    def eval_payload(self, state, round):
+        """Adds the unseen client's theta_v: the uniform mean of the clients' Eq. 9 mixes."""
+        mixes = list(state["dse"].values())
+        dse = {k: torch.stack([m[k].double() for m in mixes]).mean(0).to(init.dtype) if mixes else init
+               for k, init in state["dse_init"].items()}
+        return {"global": state["global"], "dse_mean": dse}
+
+    def global_eval_model(self, model, payload):
+        load_tensors(model, payload["global"])  # theta_u and the averaged BN_DFE statistics
+        load_tensors(model, payload["dse_mean"])  # mean theta_v
+        load_tensors(model, payload.get("personal_mean", {}))  # mean BN_DSE statistics
+        return model
+
+    def adapt_to_unseen(self, model, client):
+        """Alg. 3: minimise L_Con over the unseen client's unlabeled data, DSE parameters only."""
+        hp = self.hp
+        if hp.adapt_epochs == 0:
+            return False
+        blocks = [b for _, b in dse_blocks(model)]
+        dse_params = [p for b in blocks for p in (*b.bn_dse.parameters(), *b.cheap.parameters())]
+        model.eval()  # line 1: BN_DFE keeps (and normalises with) the global statistics
+        for b in blocks:
+            b.bn_dse.train()  # BN_DSE statistics re-estimated on the target (spec 9.26)
+        model.requires_grad_(False)
+        for p in dse_params:
+            p.requires_grad_(True)  # line 1: every other trainable parameter frozen
+        reg = ConsistencyRegularizer([b.bn_dfe for b in blocks], hp.gamma, hp.beta, hp.con_mode)
+        handles = reg.attach(in_eval_mode=True)
+        opt = torch.optim.SGD(dse_params, lr=hp.adapt_lr or client.lr)
+        try:
+            for _ in range(hp.adapt_epochs):  # lines 2-9
+                for x in client.unlabeled_batches(hp.adapt_batch):
+                    model(x)
+                    loss = reg.loss()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+        finally:
+            for h in handles:
+                h.remove()
+            model.requires_grad_(True)
+            model.eval()
+        return True

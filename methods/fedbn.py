@@ -4,12 +4,17 @@ Normalization", ICLR 2021.
 FedAvg, except that every batch-norm layer (affine weight and bias, running mean and variance)
 stays on its client: "average every key except those of BN layers". Each client is evaluated
 with its own BN layers.
+
+An unseen client (a held-out domain; FDSE Sec. 5.4, Alg. 2) starts from the shared layers and the
+mean of the clients' BN layers, then collects its own BN statistics in one train-mode pass over
+its unlabeled data before it is evaluated.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from raysim.methods.base import Hparams, Method, bn_keys
+from raysim.training import collect_bn_stats
 
 
 @dataclass(frozen=True)
@@ -24,3 +29,8 @@ class FedBN(Method):
 
     def personal_keys(self, model):
         return bn_keys(model)
+
+    def adapt_to_unseen(self, model, client):
+        """FDSE's Alg. 2: one epoch of forward passes collects the target's BN statistics."""
+        collect_bn_stats(model, client.unlabeled_batches(client.train.batch_size))
+        return True

@@ -1,5 +1,9 @@
 """Local (a.k.a. SingleSet / Standalone) — no federation: each client trains alone on its own
 data and is evaluated with its own model. The lower baseline of every paper here.
+
+Under the global and lodo protocols, where a single model is asked for, it is the uniform mean of
+the clients' local models (one-shot model averaging after local training): the only model a
+server could build without the clients ever training together.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from raysim.errors import UserError
 from raysim.methods.base import ClientContext, Hparams, Method, Space, Upload
+from raysim.training import collect_bn_stats
 
 
 def _build(method: Method, norm: str) -> nn.Module:
@@ -103,9 +104,10 @@ class SiloBN(Method):
 
     FedWon App. A.3: "we modify the FedBN implementation to aggregate only the BN parameters
     while keeping the BN statistics local". Each client is tested with the shared weights and
-    its own statistics (eval.protocol: personalized). The server holds no statistics, so under
-    the global protocol the BN layers keep their initial statistics (mean 0, var 1): SiloBN
-    is a cross-silo, stateful-client method.
+    its own statistics (eval.protocol: personalized). The global model (global and lodo
+    protocols) takes the mean of the clients' statistics; an unseen client replaces them with
+    its own, collected in one train-mode pass over its unlabeled data (as FedBN's adaptation,
+    FDSE Alg. 2: statistics are what SiloBN keeps per site).
     """
     name = "silobn"
     Hparams = SiloBNHparams
@@ -113,6 +115,10 @@ class SiloBN(Method):
 
     def personal_keys(self, model: nn.Module) -> set[str]:
         return bn_stat_keys(model)
+
+    def adapt_to_unseen(self, model, client):
+        collect_bn_stats(model, client.unlabeled_batches(client.train.batch_size))
+        return True
 
 
 # ----------------------------------------------------------------------------- FixBN

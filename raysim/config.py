@@ -22,6 +22,9 @@ import yaml
 from raysim.errors import UserError
 
 
+SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
+
+
 @dataclass
 class DataConfig:
     dataset: str = "digits5"
@@ -64,6 +67,14 @@ class EvalConfig:
     # personalized protocol: a client's model as it receives it for the next round ("received", after
     # aggregation), or as it left its last local training ("post_train": FLGo's and FDSE's code)
     point: str = "received"
+    # which evaluated round summary.md headlines: "val" (best validation AVG, the default; under lodo
+    # the source clients' validation), "val_weighted" (best train-size-weighted mean of the clients'
+    # validation accuracies: FDSE's code), "test" (best test AVG: peeks at the test split, as DapperFL
+    # reports), "final" (the last round)
+    select: str = "val"
+    # unseen clients (lodo targets): run the method's label-free adaptation on the client's unlabeled
+    # test data before evaluating it (FedBN: BN statistics; FDSE: Alg. 3); false: the model as built
+    adapt: bool = True
 
 
 @dataclass
@@ -95,6 +106,7 @@ class ExperimentConfig:
     methods: list | None = None  # several methods on the same data and seed -> one comparison table
     rounds: int = 20
     seed: int = 0
+    seeds: list | None = None  # several seeds: every method runs once per seed (takes the place of seed)
     clients_per_round: int | None = None  # None with fraction None: every client every round
     fraction: float | None = None
     name: str | None = None
@@ -117,6 +129,15 @@ class ExperimentConfig:
         raw = self.to_dict()
         raw.update(method=name, methods=None, per_method={})
         _merge(raw, self.per_method.get(name) or {})
+        return _build(ExperimentConfig, raw)
+
+    def seed_list(self) -> list[int]:
+        return list(self.seeds) if self.seeds else [self.seed]
+
+    def for_seed(self, seed: int) -> "ExperimentConfig":
+        """This config narrowed to one seed of a multi-seed run."""
+        raw = self.to_dict()
+        raw.update(seed=seed, seeds=None)
         return _build(ExperimentConfig, raw)
 
     def to_dict(self) -> dict:
@@ -233,6 +254,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raw.pop("methods", None)
         if path == ["methods"]:
             raw.pop("method", None)
+        if path == ["seed"]:  # seed=N on the command line replaces a seeds list
+            raw.pop("seeds", None)
     return raw
 
 
@@ -298,6 +321,10 @@ def validate(cfg: ExperimentConfig) -> None:
     for n, hp in cfg.hp.items():
         need(isinstance(hp, dict), f"config key 'hp.{n}' must map hyperparameter names to values")
         registry.get(n).hparams_from(hp, prefix=f"hp.{n}")
+    need(cfg.seeds is None or (bool(cfg.seeds) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                       and x >= 0 for x in cfg.seeds)),
+         f"config key 'seeds' = {cfg.seeds!r}: expected a non-empty list of non-negative integers")
+    need(cfg.seeds is None or len(set(cfg.seeds)) == len(cfg.seeds), f"'seeds' lists a seed twice: {cfg.seeds}")
     need(cfg.rounds >= 1, f"config key 'rounds' = {cfg.rounds}: expected at least 1")
     need(cfg.clients_per_round is None or cfg.clients_per_round >= 1,
          f"config key 'clients_per_round' = {cfg.clients_per_round}: expected at least 1")
@@ -322,6 +349,8 @@ def validate(cfg: ExperimentConfig) -> None:
          f"config key 'eval.protocol' = {e.protocol!r}: expected personalized, global or lodo")
     need(e.point in ("received", "post_train"),
          f"config key 'eval.point' = {e.point!r}: expected 'received' or 'post_train'")
+    need(e.select in SELECT_RULES,
+         f"config key 'eval.select' = {e.select!r}: expected one of {', '.join(SELECT_RULES)}")
     need(all(s in ("val", "test") for s in e.splits) and e.splits,
          f"config key 'eval.splits' = {e.splits!r}: expected a list of 'val' and/or 'test'")
     need(e.clients == "all" or (isinstance(e.clients, int) and not isinstance(e.clients, bool)

@@ -60,20 +60,24 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     os.makedirs(run_dir, exist_ok=True)
     if not resume:
         dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-    names = cfg.method_names()
+    names, seeds = cfg.method_names(), cfg.seed_list()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
-    jobs = []  # (config, run directory) of every federation: each method x each held-out domain
+    jobs = []  # (config, run directory) of every federation: method x seed x held-out domain
     for name in names:
-        for holdout in holdouts:
-            sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
-            one = cfg.for_method(name)
-            if holdout is not None:  # leave-one-domain-out: one federation per held-out domain
-                one.data.partition = {**one.data.partition, "holdout": holdout}
-                sub = os.path.join(sub, f"holdout-{holdout}")
-            if not (resume and _finished(sub)):
-                jobs.append((one, sub))
+        for seed in seeds:
+            for holdout in holdouts:
+                sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
+                one = cfg.for_method(name)
+                if cfg.seeds:  # one folder per seed: <method>/seed-<s>/
+                    one = one.for_seed(seed)
+                    sub = os.path.join(sub, f"seed-{seed}")
+                if holdout is not None:  # leave-one-domain-out: one federation per held-out domain
+                    one.data.partition = {**one.data.partition, "holdout": holdout}
+                    sub = os.path.join(sub, f"holdout-{holdout}")
+                if not (resume and _finished(sub)):
+                    jobs.append((one, sub))
     with ray_session(address or cfg.runtime.address, cfg.runtime):
-        results = _run_federations(jobs, progress, resume)
+        results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds))
     text = report.render(run_dir)
     if progress:
         print(text)
@@ -81,19 +85,19 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     return results
 
 
-def _run_federations(jobs: list, progress: bool, resume: bool) -> list[MethodRun]:
+def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False) -> list[MethodRun]:
     """Run the federations one after another, or as many at once as the cluster fits: they are
     independent (every draw is keyed by seed, round and client), so the results are the same."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     slots = parallel_slots(jobs[0][0], len(jobs)) if jobs else 1
     if slots <= 1:
-        return [FederationRun(one, sub, progress=progress).run(resume=resume) for one, sub in jobs]
+        return [FederationRun(one, sub, progress=progress, show_seed=show_seed).run(resume=resume) for one, sub in jobs]
     if progress:
         print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
 
     def one_federation(one, sub):
-        result = FederationRun(one, sub, progress="lines" if progress else False).run(resume=resume)
+        result = FederationRun(one, sub, progress="lines" if progress else False, show_seed=show_seed).run(resume=resume)
         if progress:
             print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
                   file=sys.stderr)
@@ -176,8 +180,9 @@ class FederationRun:
     line per round: federations running side by side share the terminal) or False.
     """
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None):
-        self.cfg, self.run_dir, self.on_round = cfg, run_dir, on_round
+    def __init__(self, cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None,
+                 show_seed: bool = False):
+        self.cfg, self.run_dir, self.on_round, self.show_seed = cfg, run_dir, on_round, show_seed
         self.progress = progress
         self.server = None
         self.hosts, self.pg = [], None
@@ -196,7 +201,8 @@ class FederationRun:
             dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
         t_start = time.perf_counter()
         holdout = (cfg.data.partition or {}).get("holdout")
-        bar = Progress(cfg.rounds, label=cfg.method + (f"[{holdout}]" if holdout else ""),
+        label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if self.show_seed else "")
+        bar = Progress(cfg.rounds, label=label,
                        enabled=bool(self.progress), lines=self.progress == "lines")
         self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
                                                  scheduling_strategy=_server_placement()).remote(cfg)
@@ -284,7 +290,9 @@ class FederationRun:
         summary = self._call(server.aggregate.remote(rnd, *futures))
         results = None
         if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
-            payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests), False))
+            personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
+            payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests) if personalized else [],
+                                                                       False))
             futures = [self.hosts[h].evaluate.remote(rnd, payload_box, {c: self.requests[c] for c in cids},
                                                      cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
                        for h, cids in _split_by_host(self.requests, self.owner).items()]

@@ -1,8 +1,12 @@
 """Metrics in long format: one row per (round, client, domain, split, metric, value).
 
-``client`` is -1 for federation-level rows: per-domain pooled accuracy, ``AVG`` (mean of the
-clients' accuracies, the papers' AVG) and ``ALL`` (accuracy over every client's pooled test
-samples, the papers' ALL). Communication and training loss are federation-level rows too.
+``client`` is -1 for federation-level rows: per-domain pooled accuracy; ``AVG``, the mean over
+domains of those pooled accuracies (the papers' AVG, "the average accuracy across all domains");
+``ALL``, the accuracy over every client's pooled samples (the papers' ALL); ``AVG_clients``, the
+plain mean of the clients' accuracies (equal to AVG with one client per domain and a shared test
+set, not otherwise); ``AVG_weighted``, the clients' accuracies weighted by their training-set sizes
+(FDSE's code selects its reported round by this on the validation split). Communication and
+training loss are federation-level rows too.
 """
 from __future__ import annotations
 
@@ -62,14 +66,19 @@ class MetricsLog:
             self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
         self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
         self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
+        if summary.get("bytes_up_eval"):  # personal tensors gathered only to build the global model
+            self.add(rnd, -1, "ALL", "comm", "bytes_up_eval", summary["bytes_up_eval"])
 
     def add_eval(self, rnd: int, results: dict[int, dict], domain_of) -> dict:
-        """Per-client rows, then per-domain/AVG/ALL rows. Returns {split: {"AVG": acc, "ALL": acc}}."""
+        """Per-client rows, then per-domain and AVG/ALL/AVG_clients/AVG_weighted rows.
+
+        ``results[client][split]`` = {"correct", "loss_sum", "n"[, "n_train"]}. Returns
+        {split: {"AVG": ..., "ALL": ..., "AVG_clients": ...}}."""
         headline = {}
         splits = sorted({s for r in results.values() for s in r})
         for split in splits:
             pooled: dict[str, np.ndarray] = {}  # domain -> [correct, loss_sum, n]
-            client_acc = []
+            client_acc, train_sizes = [], []
             for cid in sorted(results):
                 r = results[cid].get(split)
                 if r is None or r["n"] == 0:
@@ -79,19 +88,27 @@ class MetricsLog:
                 self.add(rnd, cid, dom, split, "accuracy", acc)
                 self.add(rnd, cid, dom, split, "loss", loss)
                 client_acc.append(acc)
+                train_sizes.append(float(r.get("n_train", 1)))
                 pooled.setdefault(dom, np.zeros(3))
                 pooled[dom] += (r["correct"], r["loss_sum"], r["n"])
+            domain_acc = []
             for dom in pooled:  # clients are numbered domain by domain: the dataset's order
                 c, ls, n = pooled[dom]
+                domain_acc.append(c / n)
                 self.add(rnd, -1, dom, split, "accuracy", c / n)
                 self.add(rnd, -1, dom, split, "loss", ls / n)
             if client_acc:
                 total = sum(pooled.values())
-                avg, all_ = float(np.mean(client_acc)), total[0] / total[2]
+                avg, all_ = float(np.mean(domain_acc)), total[0] / total[2]
+                avg_clients = float(np.mean(client_acc))
+                w = np.asarray(train_sizes)
+                avg_weighted = float(np.dot(w, client_acc) / w.sum()) if w.sum() > 0 else avg_clients
                 self.add(rnd, -1, "AVG", split, "accuracy", avg)
                 self.add(rnd, -1, "ALL", split, "accuracy", all_)
                 self.add(rnd, -1, "ALL", split, "loss", total[1] / total[2])
-                headline[split] = {"AVG": avg, "ALL": all_}
+                self.add(rnd, -1, "AVG_clients", split, "accuracy", avg_clients)
+                self.add(rnd, -1, "AVG_weighted", split, "accuracy", avg_weighted)
+                headline[split] = {"AVG": avg, "ALL": all_, "AVG_clients": avg_clients}
         return headline
 
 

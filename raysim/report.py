@@ -1,100 +1,321 @@
-"""Render a run's summary table (the papers' shape) and accuracy curves from metrics.parquet.
+"""Render a run's summary table (the papers' shapes) and accuracy curves from metrics.parquet.
 
-Two selections are reported, never mixed: the final round, and the round with the best
-validation AVG accuracy (model selection that never looks at the test split).
+A run directory is ``[<method>/][seed-<s>/][holdout-<domain>/]metrics.parquet``: one folder per
+method of a comparison, per seed of a multi-seed run, per held-out domain of leave-one-domain-out.
+
+The headline is the round that ``eval.select`` picks in each federation (best validation AVG by
+default); the final round is always shown beside it, and the best *test* round only labelled as
+the selection that peeks at the test split. AVG is the mean over domains (the papers' AVG); the
+clients' mean, AVG_clients, is shown beside it wherever the two differ. Over several seeds every
+cell is mean ± std (sample standard deviation, ddof 1), and each method is compared with the first
+one listed: the mean of the per-seed differences, how many seeds it wins and a paired t-test.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from raysim.errors import UserError
 from raysim.metrics import read
 
-AGGREGATES = ("AVG", "ALL")
+AGGREGATES = ("AVG", "ALL", "AVG_clients", "AVG_weighted")
+SELECT_LABELS = {
+    "val": "best validation AVG",
+    "val_weighted": "best train-size-weighted mean of the clients' validation accuracies (FDSE's code)",
+    "test": "best test AVG, which peeks at the test split (the selection DapperFL reports)",
+    "final": "the final round",
+}
 
 
 @dataclass
 class Summary:
+    """One federation's evaluated rounds, reduced to the rounds a table shows."""
     method: str
     domains: list[str]
+    rule: str  # eval.select actually applied ("final" when there is no validation split)
+    selected_round: int
+    selected: dict[str, float]  # domain/AVG/ALL/AVG_clients -> test accuracy at the selected round
     final_round: int
-    best_round: int | None  # best validation AVG accuracy; None without a val split
-    final: dict[str, float]  # domain/AVG/ALL -> test accuracy at the final round
-    best: dict[str, float]  # ... at the best-validation round
-    peek_round: int = 0  # the round with the best test AVG: an optimistic selection that peeks
-    peek: dict | None = None  # at the test split, reported only because several papers use it
+    final: dict[str, float]
+    peek_round: int  # the round with the best test AVG (optimistic: it peeks at the test split)
+    peek: dict[str, float]
+    unadapted: dict[str, float] | None = None  # an unseen client before adaptation, selected round
 
 
-def summarize(df: pd.DataFrame, method: str = "") -> Summary:
+def summarize(df: pd.DataFrame, method: str = "", rule: str = "val") -> Summary:
     glob = df[(df.client == -1) & (df.metric == "accuracy")]
     test = glob[glob.split == "test"]
     if test.empty:
         raise UserError("metrics hold no test accuracy rows (was anything evaluated?)")
     domains = [d for d in dict.fromkeys(test.domain) if d not in AGGREGATES]
     final_round = int(test["round"].max())
-    val_avg = glob[(glob.split == "val") & (glob.domain == "AVG")]
-    best_round = None
-    if not val_avg.empty:  # earliest round among ties
-        best_round = int(val_avg.sort_values(["value", "round"], ascending=[False, True]).iloc[0]["round"])
 
-    def at(rnd):
-        rows = test[test["round"] == rnd]
+    def best(split: str, domain: str) -> int | None:
+        rows = glob[(glob.split == split) & (glob.domain == domain)]
+        if rows.empty:
+            return None  # earliest round among ties
+        return int(rows.sort_values(["value", "round"], ascending=[False, True]).iloc[0]["round"])
+
+    def at(rnd: int, split: str = "test") -> dict[str, float]:
+        rows = glob[(glob.split == split) & (glob["round"] == rnd)]
         return {d: float(v) for d, v in zip(rows.domain, rows.value)}
 
-    test_avg = test[test.domain == "AVG"]
-    peek_round = int(test_avg.sort_values(["value", "round"], ascending=[False, True]).iloc[0]["round"])
-    return Summary(method, domains, final_round, best_round, at(final_round),
-                   at(best_round) if best_round is not None else {}, peek_round, at(peek_round))
+    picks = {"val": lambda: best("val", "AVG"), "val_weighted": lambda: best("val", "AVG_weighted"),
+             "test": lambda: best("test", "AVG"), "final": lambda: final_round}
+    selected_round = picks[rule]()
+    if selected_round is None:
+        rule, selected_round = "final", final_round
+    peek_round = best("test", "AVG")
+    unadapted = at(selected_round, "test_unadapted") or None
+    return Summary(method, domains, rule, selected_round, at(selected_round), final_round, at(final_round),
+                   peek_round, at(peek_round), unadapted)
 
 
-def _row(name: str, cols: list[str], values: dict) -> str:
-    cells = [f"{100 * values[c]:.2f}" if c in values else "–" for c in cols]
-    return f"| {name} | " + " | ".join(cells) + " |"
+# ----------------------------------------------------------------------------- the run's layout
+
+def method_dirs(run_dir: str) -> dict[str, str]:
+    """{method: its folder} for a single run or a comparison."""
+    if _is_run(run_dir):
+        return {_method_of(run_dir): run_dir}
+    found = {}
+    if os.path.isdir(run_dir):
+        for name in sorted(os.listdir(run_dir)):
+            if _is_run(os.path.join(run_dir, name)):
+                found[name] = os.path.join(run_dir, name)
+    listed = _config(run_dir).get("methods") or []  # the config's order: the first is the reference
+    order = [m for m in listed if m in found] + [m for m in found if m not in listed]
+    return {m: found[m] for m in order}
 
 
-def summary_markdown(summaries: list[Summary], title: str = "") -> str:
-    domains = list(dict.fromkeys(d for s in summaries for d in s.domains))
-    cols = domains + list(AGGREGATES)
-    head = "| method | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols)
+def _subdirs(d: str, prefix: str) -> dict[str, str]:
+    if not os.path.isdir(d):
+        return {}
+    return {n[len(prefix):]: os.path.join(d, n) for n in sorted(os.listdir(d))
+            if n.startswith(prefix) and os.path.isdir(os.path.join(d, n))}
+
+
+def _holdout_dirs(d: str) -> dict[str, str]:
+    return {k: v for k, v in _subdirs(d, "holdout-").items() if os.path.isfile(os.path.join(v, "metrics.parquet"))}
+
+
+def seed_dirs(d: str) -> dict[int | None, str]:
+    """{seed: folder} of a method's folder; {None: d} when it ran one seed."""
+    found = {}
+    for key, path in _subdirs(d, "seed-").items():
+        if key.isdigit() and (os.path.isfile(os.path.join(path, "metrics.parquet")) or _holdout_dirs(path)):
+            found[int(key)] = path
+    return dict(sorted(found.items())) or {None: d}
+
+
+def _is_run(d: str) -> bool:
+    if os.path.isfile(os.path.join(d, "metrics.parquet")) or _holdout_dirs(d):
+        return True
+    return None not in seed_dirs(d)
+
+
+def _config(run_dir: str) -> dict:
+    import yaml
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _method_of(run_dir: str) -> str:
+    raw = _config(run_dir)
+    return raw.get("method") or (raw.get("methods") or [None])[0] or os.path.basename(os.path.normpath(run_dir))
+
+
+def _select_rule(run_dir: str) -> str:
+    rule = (_config(run_dir).get("eval") or {}).get("select", "val")
+    return rule if rule in SELECT_LABELS else "val"
+
+
+def _read(d: str) -> pd.DataFrame:
+    path = os.path.join(d, "metrics.parquet")
+    try:
+        return read(path)
+    except Exception as err:  # a corrupted or truncated file
+        raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------- numbers -> cells
+
+def _pct(values: list[float]) -> str:
+    """One cell: a percentage, or mean ± std over seeds."""
+    vals = [100 * v for v in values if v is not None and not math.isnan(v)]
+    if not vals or len(vals) < len(values):
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.2f}"
+    return f"{np.mean(vals):.2f} ± {np.std(vals, ddof=1):.2f}"
+
+
+def _table(rows: dict[str, dict[str, list]], cols: list[str], first: str = "method") -> list[str]:
+    out = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, per_col in rows.items():
+        out.append(f"| {name} | " + " | ".join(_pct(per_col.get(c, [None])) for c in cols) + " |")
+    return out
+
+
+def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") -> list[str]:
+    """Each method against the first: mean of the per-seed differences (points), seeds won, and
+    the two-sided paired t-test p-value (scipy.stats.ttest_rel) over the seeds both ran."""
+    from scipy import stats
+    names = list(values)
+    ref = names[0]
+    out = [f"| method | {metric} − {ref} (points, mean ± std) | seeds won | paired t-test p |", "|---|---|---|---|"]
+    for name in names[1:]:
+        seeds = sorted(set(values[name]) & set(values[ref]))
+        diffs = np.array([100 * (values[name][s] - values[ref][s]) for s in seeds])
+        if not len(diffs):
+            continue
+        spread = f" ± {np.std(diffs, ddof=1):.2f}" if len(diffs) > 1 else ""
+        p = "–"
+        if len(diffs) > 1 and np.std(diffs) > 0:
+            p = f"{stats.ttest_rel([values[name][s] for s in seeds], [values[ref][s] for s in seeds]).pvalue:.3f}"
+        out.append(f"| {name} | {np.mean(diffs):+.2f}{spread} | {int((diffs > 0).sum())}/{len(diffs)} | {p} |")
+    return out
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _rule_line(summaries: list[Summary]) -> str:
+    rules = list(dict.fromkeys(s.rule for s in summaries))
+    return "; ".join(SELECT_LABELS[r] for r in rules)
+
+
+def _seed_note(seeds: list) -> str:
+    if len(seeds) <= 1 or seeds == [None]:
+        return ""
+    return f"; mean ± std over seeds {', '.join(str(s) for s in seeds)}"
+
+
+def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
+    """The per-domain table: ``runs[method][seed] = Summary`` (seed None for a single-seed run)."""
+    every = [s for per in runs.values() for s in per.values()]
+    seeds = list(dict.fromkeys(k for per in runs.values() for k in per))
+    domains = list(dict.fromkeys(d for s in every for d in s.domains))
+    differ = any(abs(s.selected.get("AVG_clients", s.selected["AVG"]) - s.selected["AVG"]) > 1e-9
+                 or abs(s.final.get("AVG_clients", s.final["AVG"]) - s.final["AVG"]) > 1e-9 for s in every)
+    cols = domains + ["AVG", "ALL"] + (["AVG_clients"] if differ else [])
+    single = seeds == [None]
+
+    def rows(pick, with_round: bool):
+        out = {}
+        for name, per in runs.items():
+            label = name
+            if with_round and single:
+                label = f"{name} (round {pick(per[None])[0]})"
+            out[label] = {c: [pick(s)[1].get(c) for s in per.values()] for c in cols}
+        return out
+
     out = [f"# {title}".rstrip(), ""] if title else []
-    out += ["Test accuracy (%) per domain; AVG = mean of the clients' accuracies, "
-            "ALL = accuracy over all clients' pooled test samples.", ""]
-    out += [f"## Final round", "", head]
-    out += [_row(f"{s.method} (round {s.final_round})", cols, s.final) for s in summaries]
-    if any(s.best_round is not None for s in summaries):
-        out += ["", "## Best-validation round (selected by validation AVG accuracy)", "", head]
-        out += [_row(f"{s.method} (round {s.best_round})", cols, s.best) for s in summaries
-                if s.best_round is not None]
-    out += ["", "## Best test round (peeks at the test split; shown only to compare with papers that select this way)",
-            "", head]
-    out += [_row(f"{s.method} (round {s.peek_round})", cols, s.peek) for s in summaries]
+    out += ["Test accuracy (%) per domain; AVG = mean over domains (the papers' AVG), ALL = accuracy over all "
+            "clients' pooled test samples" + ("; AVG_clients = mean over clients" if differ else "") + ".", ""]
+    out += [f"## Selected round: {_rule_line(every)}{_seed_note(seeds)}", ""]
+    out += _table(rows(lambda s: (s.selected_round, s.selected), True), cols)
+    if not single:
+        out += ["", "Selected rounds: " + "; ".join(
+            f"{name} " + ", ".join(str(s.selected_round) for s in per.values()) for name, per in runs.items())]
+    out += ["", f"## Final round{_seed_note(seeds)}", ""]
+    out += _table(rows(lambda s: (s.final_round, s.final), True), cols)
+    if any(s.rule != "test" for s in every):
+        out += ["", f"## Best test round (peeks at the test split; shown only to compare with papers that select "
+                f"this way){_seed_note(seeds)}", ""]
+        out += _table(rows(lambda s: (s.peek_round, s.peek), True), cols)
+    if not single:
+        avg = {name: {k: s.selected["AVG"] for k, s in per.items()} for name, per in runs.items()}
+        out += ["", "## AVG per seed (selected round)", ""]
+        out += ["| method | " + " | ".join(f"seed {k}" for k in seeds) + " |", "|---|" + "---|" * len(seeds)]
+        out += [f"| {name} | " + " | ".join(_pct([avg[name].get(k)]) for k in seeds) + " |" for name in runs]
+        if len(runs) > 1:
+            out += ["", f"## Paired comparison with {next(iter(runs))} (AVG at the selected round)", ""]
+            out += paired_comparison(avg)
     return "\n".join(out) + "\n"
 
 
-def plot_curves(frames: dict[str, pd.DataFrame], path: str) -> None:
+def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
+    """The FedDG table: ``runs[method][seed][held-out domain] = Summary``; one column per held-out
+    domain (accuracy on 100% of it, or its test split) and their mean, Avg."""
+    every = [s for per in runs.values() for by_dom in per.values() for s in by_dom.values()]
+    seeds = list(dict.fromkeys(k for per in runs.values() for k in per))
+    domains = list(dict.fromkeys(d for per in runs.values() for by_dom in per.values() for d in by_dom))
+    cols = domains + ["Avg"]
+
+    def values(pick) -> dict[str, dict[int | None, dict[str, float | None]]]:
+        out = {}
+        for name, per in runs.items():
+            out[name] = {}
+            for seed, by_dom in per.items():
+                accs = {d: (pick(by_dom[d]) or {}).get("ALL") if d in by_dom else None for d in domains}
+                known = [a for a in accs.values() if a is not None]
+                accs["Avg"] = sum(known) / len(known) if known and len(known) == len(domains) else None
+                out[name][seed] = accs
+        return out
+
+    def rows(vals):
+        return {name: {c: [v[c] for v in per.values()] for c in cols} for name, per in vals.items()}
+
+    out = [f"# {title}".rstrip(), ""] if title else []
+    out += ["Leave-one-domain-out: accuracy (%) on each unseen domain; Avg = mean over held-out domains.", ""]
+    selected = values(lambda s: s.selected)
+    sections = [(f"Selected round: {_rule_line(every)}", selected), ("Final round", values(lambda s: s.final))]
+    if any(s.unadapted for s in every):
+        sections.append(("Selected round, before the unseen client's label-free adaptation "
+                         "(methods that adapt; the others as above)",
+                         values(lambda s: s.unadapted or s.selected)))
+    if any(s.rule != "test" for s in every):
+        sections.append(("Best target round (peeks at the target: the selection some FedDG papers report)",
+                         values(lambda s: s.peek)))
+    for label, vals in sections:
+        out += [f"## {label}{_seed_note(seeds)}", ""] + _table(rows(vals), cols) + [""]
+    if len(seeds) > 1 and len(runs) > 1:
+        avg = {name: {k: v["Avg"] for k, v in per.items() if v["Avg"] is not None} for name, per in selected.items()}
+        out += [f"## Paired comparison with {next(iter(runs))} (Avg at the selected round)", ""]
+        out += paired_comparison(avg, "Avg") + [""]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- curves
+
+def plot_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
+    """One panel per federation (method, held-out domain): test accuracy per domain, AVG thick;
+    over several seeds the mean, with a ± std band around AVG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(frames)
+    n = len(panels)
     cols = min(n, 4)
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False, sharey=True)
+    nrows = -(-n // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False, sharey=True)
     flat = axes.ravel()
     for ax in flat[n:]:
         ax.axis("off")
-    for ax, (name, df) in zip(flat, frames.items()):
-        rows = df[(df.client == -1) & (df.metric == "accuracy") & (df.split == "test")]
+    for ax, (name, frames) in zip(flat, panels.items()):
+        rows = pd.concat([df[(df.client == -1) & (df.metric == "accuracy") & (df.split == "test")
+                             & ~df.domain.isin(("AVG_clients", "AVG_weighted"))].assign(seed=i)
+                          for i, df in enumerate(frames)])
         for dom, g in rows.groupby("domain", sort=False):
-            g = g.sort_values("round")
-            style = {"linewidth": 2.5, "color": "black"} if dom == "AVG" else {"linewidth": 1.2}
-            if dom == "ALL":
+            by_round = g.groupby("round")["value"]
+            mean = 100 * by_round.mean()
+            style = {"linewidth": 1.2}
+            if dom == "AVG":
+                style = {"linewidth": 2.5, "color": "black"}
+            elif dom == "ALL":
                 style = {"linewidth": 1.5, "color": "gray", "linestyle": "--"}
-            ax.plot(g["round"], 100 * g["value"], label=dom, **style)
-        ax.set_title(name)
+            ax.plot(mean.index, mean.values, label=dom, marker="o" if len(mean) <= 3 else None, **style)
+            if dom == "AVG" and len(frames) > 1:
+                std = 100 * by_round.std(ddof=1).fillna(0.0)
+                ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color="black", alpha=0.15)
+        ax.set_title(name + (f" ({len(frames)} seeds)" if len(frames) > 1 else ""))
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     for row in axes:
@@ -107,67 +328,7 @@ def plot_curves(frames: dict[str, pd.DataFrame], path: str) -> None:
     os.replace(tmp, path)
 
 
-def method_dirs(run_dir: str) -> dict[str, str]:
-    """{method: its folder} for a single run or a comparison (a folder holds metrics.parquet, or
-    holdout-<domain>/ folders for leave-one-domain-out)."""
-    if _is_run(run_dir):
-        return {_method_of(run_dir): run_dir}
-    found = {}
-    if os.path.isdir(run_dir):
-        for name in sorted(os.listdir(run_dir)):
-            if _is_run(os.path.join(run_dir, name)):
-                found[name] = os.path.join(run_dir, name)
-    return found
-
-
-def _is_run(d: str) -> bool:
-    return os.path.isfile(os.path.join(d, "metrics.parquet")) or bool(_holdout_dirs(d))
-
-
-def _holdout_dirs(d: str) -> dict[str, str]:
-    if not os.path.isdir(d):
-        return {}
-    return {n[len("holdout-"):]: os.path.join(d, n) for n in sorted(os.listdir(d))
-            if n.startswith("holdout-") and os.path.isfile(os.path.join(d, n, "metrics.parquet"))}
-
-
-def lodo_markdown(results: dict[str, dict[str, Summary]], title: str = "") -> str:
-    """The FedDG table: one column per held-out domain (accuracy of the global model on 100% of
-    it), plus their average; the round is selected by the source clients' validation accuracy."""
-    domains = list(dict.fromkeys(d for per in results.values() for d in per))
-    head = "| method | " + " | ".join(domains) + " | Avg |\n|---|" + "---|" * (len(domains) + 1)
-    out = [f"# {title}".rstrip(), ""] if title else []
-    out += ["Leave-one-domain-out: accuracy (%) on each unseen domain; Avg = mean over held-out domains.", ""]
-    for label, pick in (("Final round", lambda s: s.final), ("Best source-validation round", lambda s: s.best),
-                        ("Best target round (peeks at the target: the selection some FedDG papers report)",
-                         lambda s: s.peek)):
-        out += [f"## {label}", "", head]
-        for method, per in results.items():
-            accs = [pick(per[d]).get("ALL") if d in per else None for d in domains]
-            cells = [f"{100 * a:.2f}" if a is not None else "–" for a in accs]
-            known = [a for a in accs if a is not None]
-            avg = f"{100 * sum(known) / len(known):.2f}" if known and len(known) == len(accs) else "–"
-            out.append(f"| {method} | " + " | ".join(cells) + f" | {avg} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def _method_of(run_dir: str) -> str:
-    import yaml
-    try:
-        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
-            return yaml.safe_load(fh).get("method") or os.path.basename(run_dir)
-    except (OSError, AttributeError):
-        return os.path.basename(os.path.normpath(run_dir))
-
-
-def _read(d: str) -> pd.DataFrame:
-    path = os.path.join(d, "metrics.parquet")
-    try:
-        return read(path)
-    except Exception as err:  # a corrupted or truncated file
-        raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
-
+# ----------------------------------------------------------------------------- render
 
 def _method_sections(run_dir: str) -> str:
     """What the method itself adds to the summary (its ``report_markdown`` hook)."""
@@ -186,21 +347,33 @@ def render(run_dir: str) -> str:
     if not dirs:
         raise UserError(f"no metrics.parquet found in {run_dir} or its method folders")
     title = os.path.basename(os.path.normpath(run_dir))
-    if any(_holdout_dirs(d) for d in dirs.values()):
-        frames, lodo = {}, {}
-        for name, d in dirs.items():
-            lodo[name] = {}
-            for dom, hd in _holdout_dirs(d).items():
-                frames[f"{name} / {dom}"] = _read(hd)
-                lodo[name][dom] = summarize(frames[f"{name} / {dom}"], name)
-        text = lodo_markdown(lodo, title)
+    panels: dict[str, list[pd.DataFrame]] = {}
+    runs: dict[str, dict] = {}
+    lodo = False
+    for name, d in dirs.items():
+        runs[name] = {}
+        for seed, sd in seed_dirs(d).items():
+            rule = _select_rule(sd)
+            holdouts = _holdout_dirs(sd)
+            if holdouts:
+                lodo = True
+                runs[name][seed] = {}
+                for dom, hd in holdouts.items():
+                    df = _read(hd)
+                    panels.setdefault(f"{name} / {dom}", []).append(df)
+                    runs[name][seed][dom] = summarize(df, name, rule)
+            else:
+                df = _read(sd)
+                panels.setdefault(name, []).append(df)
+                runs[name][seed] = summarize(df, name, rule)
+    if lodo:
+        text = lodo_markdown(runs, title)
     else:
-        frames = {name: _read(d) for name, d in dirs.items()}
-        text = summary_markdown([summarize(df, name) for name, df in frames.items()], title)
-        text += "".join(_method_sections(d) for d in dirs.values())
+        text = summary_markdown(runs, title)
+        text += "".join(_method_sections(next(iter(seed_dirs(d).values()))) for d in dirs.values())
     tmp = os.path.join(run_dir, "summary.md.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
     os.replace(tmp, os.path.join(run_dir, "summary.md"))
-    plot_curves(frames, os.path.join(run_dir, "curves.png"))
+    plot_curves(panels, os.path.join(run_dir, "curves.png"))
     return text

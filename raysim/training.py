@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from raysim.errors import TrainingDiverged
 
@@ -66,3 +67,46 @@ def evaluate(model, split, batch_size: int, device) -> dict:
         correct += int((logits.argmax(1) == y).sum())
         n += len(y)
     return {"correct": correct, "loss_sum": loss_sum, "n": n}
+
+
+def batchnorms(model: nn.Module) -> list[nn.Module]:
+    """Every batch-norm layer that keeps running statistics."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+@torch.no_grad()
+def collect_bn_stats(model: nn.Module, batches) -> dict:
+    """Running mean/var of every BN layer re-estimated from scratch as the plain average over
+    ``batches`` (train-mode forward passes, no gradient); returns those entries of the state dict.
+    ``batches`` yields images or (images, labels); labels are never read. The batch counters are
+    left as they were. DapperFL's recovered statistics; FedBN's adaptation to an unseen client
+    (FDSE Alg. 2: "collect local statistics")."""
+    bns = batchnorms(model)
+    if not bns:
+        return {}
+    saved = [(m.momentum, m.num_batches_tracked.clone(), m.running_mean.clone(), m.running_var.clone())
+             for m in bns]
+    was_training = model.training
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average
+    model.train()
+    seen = 0
+    for batch in batches:
+        model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+        seen += 1
+    model.train(was_training)
+    for m, (mom, count, mean, var) in zip(bns, saved):
+        m.momentum = mom
+        m.num_batches_tracked.copy_(count)
+        if seen == 0:  # no data: keep the statistics as they were
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+    names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for m in bns:
+        prefix = f"{names[id(m)]}." if names[id(m)] else ""
+        out[prefix + "running_mean"] = m.running_mean.detach().clone()
+        out[prefix + "running_var"] = m.running_var.detach().clone()
+    return out

@@ -32,6 +32,18 @@ class SplitView:
             x, y = self.split.tensors(idx, train=True, generator=generator)
             yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
+    def unlabeled_batches(self, batch_size: int, generator: torch.Generator, device):
+        """One shuffled pass over the images without their labels and without train-time
+        augmentation (label-free adaptation); a final batch of one image is left out (BN)."""
+        n = len(self.indices)
+        order = torch.randperm(n, generator=generator).numpy()
+        for start in range(0, n, batch_size):
+            idx = self.indices[order[start:start + batch_size]]
+            if len(idx) < 2 and n > 1:
+                continue
+            x, _ = self.split.tensors(idx, train=False, generator=None)
+            yield x.to(device, non_blocking=True)
+
     def eval_batches(self, batch_size: int, device):
         for start in range(0, len(self.indices), batch_size):
             x, y = self.split.tensors(self.indices[start:start + batch_size], train=False, generator=None)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from raysim.methods.base import ClientContext, Upload
+from raysim.methods.base import ClientContext, UnseenClient, Upload
 from raysim.runtime.clientdata import ClientData
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
@@ -88,6 +88,10 @@ class ClientHost:
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # global / lodo protocols: the server builds the global model with the mean of the clients'
+        # personal tensors (what the broadcast lacks), so the hosts gather them after training
+        self._gather_personal = cfg.eval.protocol != "personalized"
+        self._personal_keys = sorted(self.method.personal_keys(self.model)) if self._gather_personal else []
         self.data = ClientDataCache(self._client_data, DATA_CACHE_CLIENTS)
         if len(self.client_ids) <= DATA_CACHE_CLIENTS:  # cross-silo: load every client now (errors at start)
             for cid in self.client_ids:
@@ -132,6 +136,7 @@ class ClientHost:
         each: dict[int, Upload] = {}
         metrics: dict[int, dict] = {}
         bytes_up = 0
+        personal_sums: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
         for cid in sorted(client_ids):
             mine = _client_payload(payload, personal_boxes.get(cid))
@@ -155,7 +160,16 @@ class ClientHost:
                     else:
                         sums[k] = contrib
             weight += up.weight
+            if self._personal_keys:
+                sd = self.model.state_dict()
+                for k in self._personal_keys:
+                    v = sd[k].detach().to("cpu", torch.float64)
+                    personal_sums[k] = personal_sums[k] + v if k in personal_sums else v.clone()
+        eval_bytes = len(client_ids) * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
+                                           for k in self._personal_keys)
         return {"host": self.host_id, "sums": None if per_client else sums, "weight": weight,
+                "personal_sums": personal_sums, "personal_count": len(client_ids) if self._personal_keys else 0,
+                "bytes_up_eval": eval_bytes,
                 "each": each if per_client else None, "metrics": metrics, "bytes_up": bytes_up,
                 "dtypes": {k: v.dtype for k, v in self._init_sd.items()},
                 "seconds": time.perf_counter() - t0}
@@ -163,17 +177,15 @@ class ClientHost:
     def evaluate(self, rnd: int, payload_box: list, requests: dict[int, list[str]], protocol: str,
                  personal_boxes: dict | None = None) -> dict:
         """Accuracy and loss sums for each requested (client, split): with the client's own model
-        (personalized) or with the global model (global; lodo)."""
+        (personalized) or with the global model (global; lodo). An unseen client (a held-out
+        domain's) is evaluated with the global model after the method's label-free adaptation to
+        its data (``Method.adapt_to_unseen``), and before it as split ``<split>_unadapted``."""
         import ray
         payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
         personal_boxes = personal_boxes or {}
-        bs = max(self.cfg.train.batch_size, 256)
         out = {}
-        if protocol != "personalized":  # from the initial model, so tensors the payload lacks are fixed
-            self.model.load_state_dict(self._init_sd)
-            model = self.method.global_eval_model(self.model, payload)
-        for cid in sorted(requests):
-            if protocol == "personalized":
+        if protocol == "personalized":
+            for cid in sorted(requests):
                 state = self._state(cid)
                 if self.cfg.eval.point == "post_train" and "trained" in state:
                     self.model.load_state_dict(state["trained"])
@@ -181,8 +193,39 @@ class ClientHost:
                 else:  # "received", and clients not trained yet
                     mine = _client_payload(payload, personal_boxes.get(cid))
                     model = self.method.eval_model(self.model, mine, state)
-            out[cid] = {s: evaluate(model, getattr(self.data[cid], s), bs, self.device) for s in requests[cid]}
+                out[cid] = self._scores(model, cid, requests[cid])
+            return out
+        seen = [c for c in sorted(requests) if c < self.fed.num_clients]
+        if seen:
+            model = self._global_model(payload)
+            for cid in seen:
+                out[cid] = self._scores(model, cid, requests[cid])
+        for cid in sorted(set(requests) - set(seen)):
+            model = self._global_model(payload)  # afresh: adaptation changes it
+            before = self._scores(model, cid, requests[cid])
+            if self.cfg.eval.adapt and self.method.adapt_to_unseen(model, self._unseen(cid, rnd)):
+                out[cid] = {**self._scores(model, cid, requests[cid]),
+                            **{f"{split}_unadapted": r for split, r in before.items()}}
+            else:
+                out[cid] = before
         return out
+
+    def _global_model(self, payload: dict):
+        """The method's global model, built on the initial weights (so tensors nothing sets are
+        defined, and nothing of the last client's state leaks in)."""
+        self.model.load_state_dict(self._init_sd)
+        return self.method.global_eval_model(self.model, payload)
+
+    def _unseen(self, cid: int, rnd: int) -> UnseenClient:
+        train = self.cfg.train
+        return UnseenClient(client_id=cid, domain=self.fed.domain(cid), round=rnd, data=self.data[cid], train=train,
+                            lr=train.lr * train.lr_decay ** (rnd - 1),
+                            generator=generator_for(self.cfg.seed, rnd, cid, "adapt"), device=self.device)
+
+    def _scores(self, model, cid: int, splits: list[str]) -> dict:
+        bs = max(self.cfg.train.batch_size, 256)
+        data = self.data[cid]
+        return {s: {**evaluate(model, getattr(data, s), bs, self.device), "n_train": data.num_train} for s in splits}
 
     # ------------------------------------------------------------------ checkpoints
     def ping(self) -> bool:

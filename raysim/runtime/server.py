@@ -31,6 +31,9 @@ class Server:
         self.state = self.method.init_server(model)
         self.n = self.fed.num_clients
         self.per_round = self._clients_per_round()
+        # global / lodo protocols: the uniform mean of the last round's clients' personal tensors,
+        # for the global model only (Method.global_eval_model); never broadcast for training
+        self.personal_mean: dict[str, torch.Tensor] = {}
         return self.describe()
 
     def _clients_per_round(self) -> int:
@@ -66,7 +69,12 @@ class Server:
         that each host fetches it from the object store itself.
         """
         import ray
-        payload = self.method.broadcast(self.state, rnd) if for_training else self.method.eval_payload(self.state, rnd)
+        if for_training:
+            payload = self.method.broadcast(self.state, rnd)
+        else:
+            payload = self.method.eval_payload(self.state, rnd)
+            if self.personal_mean:
+                payload = {**payload, "personal_mean": self.personal_mean}
         personal = {}
         down = tensors_nbytes(payload) * len(client_ids)
         for cid in client_ids:
@@ -91,19 +99,26 @@ class Server:
             dtypes = results[0]["dtypes"]
             mean = {}
             for k, v in sums.items():
-                m = v / total if total > 0 else v
-                dt = dtypes.get(k, torch.float32)
-                mean[k] = m.round().to(dt) if not dt.is_floating_point else m.to(dt)
+                mean[k] = _cast(v / total if total > 0 else v, dtypes.get(k, torch.float32))
         each = None
         if results and results[0]["each"] is not None:
             each = {c: u for r in results for c, u in r["each"].items()}
             each = dict(sorted(each.items()))
         uploads = Uploads(mean=mean, total_weight=total, clients=clients, each=each)
+        count = sum(r.get("personal_count", 0) for r in results)
+        if count:
+            psums: dict[str, torch.Tensor] = {}
+            for r in results:
+                for k, v in r["personal_sums"].items():
+                    psums[k] = psums[k] + v if k in psums else v.clone()
+            dtypes = results[0]["dtypes"]
+            self.personal_mean = {k: _cast(v / count, dtypes.get(k, torch.float32)) for k, v in psums.items()}
         self.state = self.method.aggregate(self.state, uploads, rnd)
         metrics = {c: m for r in results for c, m in r["metrics"].items()}
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
         return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
                 "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
+                "bytes_up_eval": sum(r.get("bytes_up_eval", 0) for r in results),
                 "bytes_down": getattr(self, "_bytes_down", 0),
                 "host_seconds": {r["host"]: r["seconds"] for r in results}}
 
@@ -120,3 +135,8 @@ class Server:
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self.method.init_server(self.fed.initial_model())
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 mean back to the tensor's own dtype (integers rounded)."""
+    return value.to(dtype) if dtype.is_floating_point else value.round().to(dtype)

@@ -507,3 +507,55 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     c5 = f"| C5 | 0.8 | 4 (d2) | {0.2 * metrics[4]['params'] / 1e6:.3f}M | {metrics[4]['kept_params'] / 1e6:.3f}M |"
     assert "## DapperFL footprint per capability tier" in md and c5 in md
     assert DapperFL.report_markdown(str(tmp_path / "nothing")) == ""
+
+
+# ----------------------------------------------------------------------------- the order of Alg. 1 lines 1-3
+
+def _one_epoch(hp: dict, net_seed=0, rnd=1, lr=0.5):
+    """DapperFL's client step with E = 1 (the fine-tune epoch, fusion and masking; no pruned
+    epoch), plain SGD, no DAR: the upload is the fused (and masked) w_hat."""
+    m = DapperFL(DapperFL.hparams_from({"gamma": 0.0, "bn_stats": "pruned", **hp}), setup())
+    net = tiny_net(net_seed)
+    received = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    ctx = context(m, net, rnd=rnd, epochs=1, lr=lr)
+    ctx = dataclasses.replace(ctx, train=dataclasses.replace(ctx.train, momentum=0.0, weight_decay=0.0))
+    return m.local_update(ctx), received
+
+
+def test_fusion_weights_the_previous_global_model_by_alpha():
+    """Eq. 1 in the client step: w = alpha W^{t-1} + (1 - alpha) w_hat, alpha^1 = 0.9. w_hat comes
+    from the same step with fusion off; with the operands swapped (alpha on w_hat) this fails."""
+    w_hat, received = _one_epoch({"rho": 0.0, "fusion": False})
+    fused, _ = _one_epoch({"rho": 0.0})
+    assert fused.metrics["alpha"] == pytest.approx(0.9)
+    moved = 0
+    for k, v in fused.tensors.items():
+        if not v.is_floating_point():
+            continue
+        expected = 0.9 * received[k] + 0.1 * w_hat.tensors[k]
+        assert torch.allclose(v, expected, atol=1e-6), k
+        moved += int(not torch.allclose(w_hat.tensors[k], received[k]))
+    assert moved >= 5  # the fine-tune epoch really moved the weights, so the order is visible
+
+
+def test_masks_are_computed_on_the_fused_weights():
+    """Alg. 1 line 3 prunes the fused model (line 2), not the fine-tuned one: the masks the client
+    sends are the L1 masks of alpha W^{t-1} + (1 - alpha) w_hat. The case is chosen so that they
+    differ from the masks of w_hat in at least one layer (checked), so computing the masks before
+    the fusion fails this test."""
+    rho = 0.6
+    w_hat, received = _one_epoch({"rho": 0.0, "fusion": False}, net_seed=3, lr=2.0)
+    up, _ = _one_epoch({"rho": rho}, net_seed=3, lr=2.0)
+    probe = tiny_net(3)
+    fused = {k: (0.9 * received[k] + 0.1 * w_hat.tensors[k]) if received[k].is_floating_point() else received[k]
+             for k in received}
+    probe.load_state_dict(fused)
+    expected = {k: m for k, m in prune_masks(probe, rho).items() if not bool(m.all())}
+    probe.load_state_dict(w_hat.tensors)
+    before_fusion = {k: m for k, m in prune_masks(probe, rho).items() if not bool(m.all())}
+    assert any(not torch.equal(expected[k], before_fusion[k]) for k in expected)  # the case discriminates
+    assert set(up.extras["masks"]) == set(expected)
+    for k, mask in expected.items():
+        assert torch.equal(up.extras["masks"][k], mask), k
+        # and the upload is the fused model times those masks
+        assert torch.allclose(up.tensors[k], fused[k] * mask, atol=1e-6), k

@@ -412,3 +412,83 @@ def test_aggregate_by_hand_on_two_clients():
     assert torch.allclose(abl["global"]["features.b.dfe.weight"], torch.tensor([0.2, 3.6]))
     assert torch.equal(abl["dse"][1]["features.b.cheap.weight"], torch.tensor([0.0, 2.0]))
     assert srv["dse"] == {}  # the previous state is not mutated
+
+
+# ============================================================================ unseen client (Sec. 5.4, Alg. 3)
+
+class UnlabeledTest:
+    """A target client's test split as label-free adaptation sees it: images only."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def unlabeled_batches(self, batch_size, generator, device):
+        order = torch.randperm(len(self.x), generator=generator)
+        for s in range(0, len(order), batch_size):
+            if len(order[s:s + batch_size]) > 1:
+                yield self.x[order[s:s + batch_size]]
+
+
+def con_loss_on(model, x, hp):
+    """sum_l w_l L_Con^(l) of one eval-mode pass over x (one batch, so the EMA is that batch's)."""
+    reg = ConsistencyRegularizer([b.bn_dfe for _, b in dse_blocks(model)], hp.gamma, hp.beta)
+    handles = reg.attach(in_eval_mode=True)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+        value = float(reg.loss())
+    for h in handles:
+        h.remove()
+    return value
+
+
+def test_unseen_client_model_is_the_mean_dse_and_alg3_adapts_only_the_dse():
+    from raysim.methods.base import ClientData, UnseenClient
+    torch.manual_seed(0)
+    model = fdse_tiny()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    m = method(lam=1.0, tau=0.1, adapt_epochs=4, adapt_batch=4)
+    srv = m.init_server(model)
+    clients = {c: m.init_client_state(c, model) for c in (0, 1)}
+    data = {c: FakeData(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
+    for rnd in (1, 2):
+        ups = {c: client_step(m, model, srv, c, rnd, clients[c], data[c]) for c in (0, 1)}
+        srv = m.aggregate(srv, Uploads(mean=None, total_weight=18, clients=[0, 1], each=ups), rnd)
+    personal_mean = {k: (clients[0]["personal"][k].double() + clients[1]["personal"][k].double()).div(2)
+                     .to(init[k].dtype) for k in clients[0]["personal"] if init[k].is_floating_point()}
+    payload = {**m.eval_payload(srv, 2), "personal_mean": personal_mean}
+
+    target = fdse_tiny(seed=5)  # any weights: the global model overwrites every tensor
+    target.load_state_dict(init)
+    m.global_eval_model(target, payload)
+    sd = target.state_dict()
+    for k in srv["dse_init"]:  # theta_v = the uniform mean of the clients' Eq. 9 mixes, not theta_v^0
+        mean = (srv["dse"][0][k] + srv["dse"][1][k]) / 2
+        assert torch.allclose(sd[k], mean, atol=1e-7) and not torch.allclose(sd[k], init[k]), k
+    for k, v in personal_mean.items():  # BN_DSE statistics: the clients' mean, estimated on their data
+        assert torch.equal(sd[k], v) and not torch.equal(v, init[k]), k
+    for k, v in srv["global"].items():
+        assert torch.equal(sd[k], v), k
+
+    x_target = torch.randn(12, 1, 4, 4) * 3 - 2  # a shifted domain, no labels
+    client = UnseenClient(client_id=2, domain="new", round=2, data=ClientData(None, None, UnlabeledTest(x_target), 0),
+                          train=TrainConfig(), lr=0.05, generator=torch.Generator().manual_seed(1),
+                          device=torch.device("cpu"))
+    before = {k: v.clone() for k, v in sd.items()}
+    loss_before = con_loss_on(target, x_target, m.hp)
+    assert m.adapt_to_unseen(target, client) is True
+    after = target.state_dict()
+    assert con_loss_on(target, x_target, m.hp) < loss_before  # Alg. 3 minimises L_Con
+    for k in after:
+        role = key_role(k)
+        if role in ("shared", "stat"):  # frozen parameters, BN_DFE statistics fixed (line 1)
+            assert torch.equal(after[k], before[k]), k
+        elif role == "dse":
+            assert not torch.equal(after[k], before[k]), k
+        elif "running" in k:  # BN_DSE statistics re-estimated on the target's images
+            assert not torch.equal(after[k], before[k]), k
+    assert all(p.requires_grad for p in target.parameters())  # the host's model trains again next round
+    # the "- align" row of Table 2: no adaptation
+    assert method(adapt_epochs=0).adapt_to_unseen(target, client) is False
+    with pytest.raises(UserError, match="adapt_epochs"):
+        FDSE.hparams_from({"adapt_epochs": -1})
