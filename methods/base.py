@@ -218,6 +218,11 @@ class Method:
         new_global.update(uploads.mean)
         return {**state, "global": new_global}
 
+    def server_metrics(self, state: dict) -> dict[str, float]:
+        """Numbers about the server's state after a round's aggregation, logged as federation rows
+        of split "server" (FDSE: the weight each client keeps on its own DSE in Eq. 9)."""
+        return {}
+
     # ---- client ---------------------------------------------------------------------------
     def init_client_state(self, client_id: int, model: nn.Module) -> dict:
         """A client's state before its first round: its personal tensors as initialised."""

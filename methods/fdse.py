@@ -291,12 +291,17 @@ def consensus_update(current: torch.Tensor, uploads: list[torch.Tensor]) -> tupl
 
 # ============================================================================= Eq. 9
 
-def similarity_mix(V: torch.Tensor, tau: float) -> torch.Tensor:
-    """Eq. 9: softmax(Q K^T / tau) V with Q = K = the row-normalised V (rows: clients)."""
+def similarity_attention(V: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 9's weights softmax(Q K^T / tau), Q = K = the row-normalised V (rows: clients);
+    row k is how client k's next DSE mixes the clients' current ones."""
     V = V.to(torch.float64).reshape(V.shape[0], -1)
     Q = V / (V.norm(dim=1, keepdim=True) + EPS)
-    A = torch.softmax(Q @ Q.T / tau, dim=1)
-    return A @ V
+    return torch.softmax(Q @ Q.T / tau, dim=1)
+
+
+def similarity_mix(V: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 9: softmax(Q K^T / tau) V."""
+    return similarity_attention(V, tau) @ V.to(torch.float64).reshape(V.shape[0], -1)
 
 
 # ============================================================================= the method
@@ -368,17 +373,25 @@ class FDSE(Method):
                 stacked = torch.stack([v.double() for v in vals])
                 new_global[key] = (torch.tensordot(w / w.sum(), stacked, dims=1)).to(cur.dtype)
         mixes = {k: dict(v) for k, v in state["dse"].items()}
+        self_weights = []
         for key, init in state["dse_init"].items():
             V = torch.stack([u.tensors[key].double().reshape(-1) for u in ups])
             if self.hp.dse_agg == "attention":  # Eq. 9
-                rows = similarity_mix(V, self.hp.tau)
+                A = similarity_attention(V, self.hp.tau)
+                self_weights.append(float(A.diagonal().mean()))
+                rows = A @ V
             elif self.hp.dse_agg == "local":  # ablation "w/o B": DSE stays with its client
                 rows = V
             else:
                 rows = V.mean(0, keepdim=True).expand_as(V)
             for i, k in enumerate(ids):
                 mixes.setdefault(k, {})[key] = rows[i].reshape(init.shape).to(init.dtype).clone()
-        return {**state, "global": new_global, "dse": mixes}
+        # diagnostics: the weight a client keeps on its own DSE in Eq. 9 (mean over tensors, clients)
+        return {**state, "global": new_global, "dse": mixes,
+                "dse_self_weight": float(np.mean(self_weights)) if self_weights else 1.0}
+
+    def server_metrics(self, state):
+        return {"dse_self_weight": state["dse_self_weight"]} if "dse_self_weight" in state else {}
 
     # ---- client -----------------------------------------------------------------------------
     def load_client_model(self, model, payload, state):

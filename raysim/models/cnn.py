@@ -111,24 +111,26 @@ class SmallCNN(Net):
     """conv(16, 5x5) - pool - conv(32, 5x5) - pool - FC(64) - FC(C).
 
     Sized for cross-device simulations with hundreds of clients, where model size dominates
-    memory and communication: 114k parameters on 1x28x28, 146k on 3x32x32.
+    memory and communication: 114k parameters on 1x28x28, 146k on 3x32x32. ``width`` multiplies
+    the conv channels (``width: 2`` gives FDSE's halved shared path the plain network's widths).
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, input_size: int = 32,
-                 norm: NormSpec = "bn", conv: ConvFactory = default_conv, hidden: int = 64):
+                 norm: NormSpec = "bn", conv: ConvFactory = default_conv, hidden: int = 64, width: int = 1):
         side = _check_size("small_cnn", input_size, 2)
         conv = resolve_conv(conv)
+        c1, c2 = 16 * width, 32 * width
         features = nn.Sequential(OrderedDict([
-            ("conv1", conv(in_channels, 16, 5, 1, 2, True)),
-            ("bn1", make_norm(norm, 16, 2)),
+            ("conv1", conv(in_channels, c1, 5, 1, 2, True)),
+            ("bn1", make_norm(norm, c1, 2)),
             ("relu1", nn.ReLU(inplace=True)),
             ("pool1", nn.MaxPool2d(2, 2)),
-            ("conv2", conv(16, 32, 5, 1, 2, True)),
-            ("bn2", make_norm(norm, 32, 2)),
+            ("conv2", conv(c1, c2, 5, 1, 2, True)),
+            ("bn2", make_norm(norm, c2, 2)),
             ("relu2", nn.ReLU(inplace=True)),
             ("pool2", nn.MaxPool2d(2, 2)),
             ("flatten", nn.Flatten()),
-            ("fc1", nn.Linear(32 * side * side, hidden)),
+            ("fc1", nn.Linear(c2 * side * side, hidden)),
             ("relu3", nn.ReLU(inplace=True)),
         ]))
         super().__init__(features, nn.Linear(hidden, num_classes), (in_channels, input_size, input_size))
@@ -153,6 +155,8 @@ def mnist_cnn(*, num_classes: int = 10, in_channels: int = 1, input_size: int = 
 @register("small_cnn")
 def small_cnn(*, num_classes: int = 10, in_channels: int = 3, input_size: int = 32,
               norm: NormSpec = "bn", conv: ConvFactory = default_conv,
-              hidden: int = 64) -> SmallCNN:
+              hidden: int = 64, width: int = 1) -> SmallCNN:
     """Cross-device CNN, ~0.1M parameters."""
-    return SmallCNN(num_classes, in_channels, input_size, norm, conv, hidden)
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise UserError(f"small_cnn: model.options.width = {width!r}: expected a positive integer")
+    return SmallCNN(num_classes, in_channels, input_size, norm, conv, hidden, width)

@@ -119,6 +119,7 @@ class Server:
         return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
                 "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
                 "bytes_up_eval": sum(r.get("bytes_up_eval", 0) for r in results),
+                "server_metrics": self.method.server_metrics(self.state),
                 "bytes_down": getattr(self, "_bytes_down", 0),
                 "host_seconds": {r["host"]: r["seconds"] for r in results}}
 

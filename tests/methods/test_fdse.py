@@ -407,6 +407,8 @@ def test_aggregate_by_hand_on_two_clients():
                           torch.tensor([e / (e + 1), 2 / (e + 1)]))
     assert torch.allclose(m.client_payload(new, 1, 2)["dse"]["features.b.cheap.weight"],
                           torch.tensor([1 / (e + 1), 2 * e / (e + 1)]))
+    # each client keeps e / (e + 1) of its own DSE (the attention's diagonal), logged by the server
+    assert m.server_metrics(new) == {"dse_self_weight": pytest.approx(e / (e + 1))}
     # ablations: plain (n_k-weighted) mean for theta_u, purely local DSE
     abl = method(shared_agg="mean", dse_agg="local").aggregate(srv, Uploads(None, 10.0, [0, 1], ups), 1)
     assert torch.allclose(abl["global"]["features.b.dfe.weight"], torch.tensor([0.2, 3.6]))
