@@ -485,8 +485,16 @@ class DapperFL(Method):
             # the statistics of the model the server will average for this client (Eq. 6 applied
             # here, to the client's own upload), not of the pruned sub-network (module docstring)
             self.recovered_bn_stats(ctx, sent, received)
+        foot = self.footprint(model, rho, masks)
+        # forward FLOPs of the round: the dense fine-tune epoch, the pruned epochs, and the extra dense
+        # pass over D_i that re-estimates the recovered model's BN statistics (bn_stats: recovered)
+        n, bs = ctx.data.num_train, t.batch_size
+        seen = {k: n * e if s["steps"] == e * math.ceil(n / bs) else s["steps"] * bs
+                for k, s, e in (("ft", s1, ft_epochs), ("pruned", s2, pruned_epochs))}
+        compute = {"fwd_flops_train": foot["flops_dense"] * seen["ft"] + foot["flops"] * seen["pruned"],
+                   "fwd_flops_bn_pass": foot["flops_dense"] * n if hp.bn_stats == "recovered" and sent else 0.0}
         metrics = {"loss": loss, "steps": steps, "rho": rho, "tier": self.client_tier(ctx.client_id),
-                   "alpha": alpha, "z_norm": z_norm, **self.footprint(model, rho, masks)}
+                   "alpha": alpha, "z_norm": z_norm, **foot, **compute}
         tensors = {k: v.detach() for k, v in model.state_dict().items()}
         return Upload(tensors=tensors, weight=client_weight(ctx), extras={"masks": sent}, metrics=metrics)
 
@@ -512,7 +520,12 @@ class DapperFL(Method):
             rows = footprint_from_run(run_dir, show=False)
         except UserError:  # nothing trained yet
             return ""
-        return footprint_markdown(rows, _run_label(run_dir, rows[0]["round"]))
+        hp = cls.hparams_from(_run_hp(run_dir))
+        note = (f"BN statistics of the upload: `bn_stats: {hp.bn_stats}`"
+                + (" (re-estimated on the client's Eq.-6-recovered dense model: one extra dense forward pass over "
+                   "D_i per round, counted in the table)" if hp.bn_stats == "recovered" else
+                   " (those the pruned epochs leave: the paper's literal reading)"))
+        return footprint_markdown(rows, _run_label(run_dir, rows[0]["round"])) + "\n" + note + "\n"
 
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads: Uploads, round: int) -> dict:
@@ -626,7 +639,8 @@ def footprint_from_run(run_dir: str, show: bool = True) -> list[dict]:
     for tier, g in wide.groupby("tier", sort=True):
         f = g.iloc[0]
         clients = ", ".join(f"{int(c)} ({domains[c]})" for c in g.index)
-        rows.append({"tier": f"C{int(tier) + 1}", "rho": float(f["rho"]), "clients": clients, "round": round_,
+        compute = {k: float(g[k].mean()) for k in ("fwd_flops_train", "fwd_flops_bn_pass") if k in g}
+        rows.append({"tier": f"C{int(tier) + 1}", "rho": float(f["rho"]), "clients": clients, "round": round_, **compute,
                      **{k: float(f[k]) for k in ("params", "kept_params", "nonzero_params", "flops_dense", "flops",
                                                  "nominal_params", "nominal_flops")},
                      "params_frac": float(f["kept_params"] / f["params"]),
@@ -636,6 +650,16 @@ def footprint_from_run(run_dir: str, show: bool = True) -> list[dict]:
         for r in rows:
             print(f"  {r['tier']}: clients {r['clients']}")
     return rows
+
+
+def _run_hp(run_dir: str) -> dict:
+    import os
+    import yaml
+    for d in (run_dir, os.path.join(run_dir, "dapperfl")):
+        if os.path.isfile(os.path.join(d, "config.yaml")):
+            with open(os.path.join(d, "config.yaml"), encoding="utf-8") as fh:
+                return ((yaml.safe_load(fh) or {}).get("hp") or {}).get("dapperfl") or {}
+    return {}
 
 
 def _run_label(run_dir: str, round: int) -> str:
@@ -654,15 +678,25 @@ def _run_label(run_dir: str, round: int) -> str:
 
 def footprint_markdown(rows: list[dict], label: str) -> str:
     """The per-tier footprint as a markdown section (appended to a run's summary.md)."""
+    compute = all("fwd_flops_train" in r for r in rows)
     out = [f"## DapperFL footprint per capability tier: {label}", "",
            "| tier | rho | clients | nominal #Para | measured #Para | fraction | nominal FLOPs | measured FLOPs "
-           "| fraction |", "|---|---|---|---|---|---|---|---|---|"]
+           "| fraction |" + (" round fwd FLOPs (training) | + BN pass (share of the round) |" if compute else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if compute else "")]
     for r in rows:
-        out.append(f"| {r['tier']} | {r['rho']:.1f} | {r.get('clients', '')} | {r['nominal_params'] / 1e6:.3f}M "
-                   f"| {r['kept_params'] / 1e6:.3f}M | {r['params_frac']:.3f} | {r['nominal_flops'] / 1e6:.2f}M "
-                   f"| {r['flops'] / 1e6:.2f}M | {r['flops_frac']:.3f} |")
+        line = (f"| {r['tier']} | {r['rho']:.1f} | {r.get('clients', '')} | {r['nominal_params'] / 1e6:.3f}M "
+                f"| {r['kept_params'] / 1e6:.3f}M | {r['params_frac']:.3f} | {r['nominal_flops'] / 1e6:.2f}M "
+                f"| {r['flops'] / 1e6:.2f}M | {r['flops_frac']:.3f} |")
+        if compute:
+            train, bn = r["fwd_flops_train"], r["fwd_flops_bn_pass"]
+            line += f" {train / 1e9:.2f}G | {bn / 1e9:.2f}G ({100 * bn / (3 * train + bn):.1f}%) |"
+        out.append(line)
     out += ["", "nominal = (1 - rho) x dense, the paper's Tables 5-6; measured #Para = parameters the masks keep; "
             "measured FLOPs = multiply-accumulates with a non-zero weight + 2 per norm output (thop convention)."]
+    if compute:
+        out += ["Round fwd FLOPs: forward FLOPs of one client's round (dense fine-tune epoch + pruned epochs, mean "
+                "over the tier's clients); + BN pass: the extra dense forward pass over D_i of bn_stats: recovered; "
+                "its share counts a training step as 3 forward passes (forward + backward)."]
     return "\n".join(out) + "\n"
 
 

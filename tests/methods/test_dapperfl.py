@@ -506,6 +506,13 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     md = _method_sections(str(tmp_path / "dapperfl"))
     c5 = f"| C5 | 0.8 | 4 (d2) | {0.2 * metrics[4]['params'] / 1e6:.3f}M | {metrics[4]['kept_params'] / 1e6:.3f}M |"
     assert "## DapperFL footprint per capability tier" in md and c5 in md
+    # the round's forward FLOPs by hand (8 samples, batch 4, E = 2: one dense epoch, one pruned), and
+    # bn_stats: recovered's extra dense pass over the 8 samples (none at rho = 0: nothing to recover)
+    f4 = metrics[4]
+    assert f4["fwd_flops_train"] == f4["flops_dense"] * 8 + f4["flops"] * 8
+    assert f4["fwd_flops_bn_pass"] == f4["flops_dense"] * 8 and metrics[0]["fwd_flops_bn_pass"] == 0.0
+    share = 100 * f4["fwd_flops_bn_pass"] / (3 * f4["fwd_flops_train"] + f4["fwd_flops_bn_pass"])
+    assert f"{f4['fwd_flops_bn_pass'] / 1e9:.2f}G ({share:.1f}%)" in md and "`bn_stats: recovered`" in md
     assert DapperFL.report_markdown(str(tmp_path / "nothing")) == ""
 
 
