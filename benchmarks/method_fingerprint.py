@@ -71,6 +71,13 @@ def _tensors(tree, prefix=""):
             yield from _tensors(v, f"{prefix}/{i}")
 
 
+def _method_states(clients: dict) -> dict:
+    """Each client's method state: since checkpoint format 2 the engine stores a record
+    ``{"state": ..., ["trained": ...]}`` around it."""
+    return {c: r["state"] if isinstance(r, dict) and "state" in r and set(r) <= {"state", "trained"} else r
+            for c, r in clients.items()}
+
+
 def compare(a_path: str, b_path: str) -> int:
     a, b = (torch.load(p, weights_only=True) for p in (a_path, b_path))
     bad = 0
@@ -83,10 +90,10 @@ def compare(a_path: str, b_path: str) -> int:
         worst = max((abs(ma[k] - mb[k]) for k in diff if k in ma and k in mb), default=0.0)
         print(f"{name}: {len(ma)} metric values, {len(diff)} differ (max |diff| {worst:.3g})")
         bad += bool(diff)
-        # the tensors of the engine's client records (post_train snapshots) are not the method's
         for part in ("server", "clients"):
-            ta = {k: v for k, v in _tensors(a[name][part])}
-            tb = {k: v for k, v in _tensors(b[name][part])}
+            ta = {k: v for k, v in _tensors(_method_states(a[name][part]) if part == "clients" else a[name][part])}
+            tb = {k: v for k, v in _tensors(_method_states(b[name][part]) if part == "clients" else b[name][part])}
+            print(f"  {part}: {len(set(ta) & set(tb))} tensors compared")
             for k in sorted(set(ta) & set(tb)):
                 x, y = ta[k], tb[k]
                 if x.shape != y.shape or x.dtype != y.dtype:

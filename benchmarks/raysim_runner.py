@@ -23,7 +23,7 @@ def run_raysim(spec: dict, run_dir: str, hosts: int = 2, memory: bool = False, f
 
     from benchmarks.procmem import PeakSampler, TreeCPU
     from benchmarks.workloads import raysim_config
-    from raysim.experiment import FederationRun
+    from raysim.experiment import federation
     from raysim.runtime.cluster import ray_session
 
     cfg = raysim_config(spec, hosts=hosts, runtime=runtime)
@@ -53,7 +53,7 @@ def run_raysim(spec: dict, run_dir: str, hosts: int = 2, memory: bool = False, f
             out["ray_start_seconds"] = time.perf_counter() - t0 if started_ray else 0.0
             if sampler is not None:
                 out["rss_after_ray_start"] = sampler.sample(rescan=True)
-            fed = FederationRun(cfg, run_dir, progress=False, on_round=on_round)
+            fed = federation(cfg, run_dir, progress=False, on_round=on_round)
             t1 = time.perf_counter()
             res = fed.run()
             out["total_seconds"] = time.perf_counter() - t1

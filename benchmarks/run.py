@@ -201,7 +201,7 @@ def fedavg_workload(b: Bench, spec: dict, flower_py: str | None, flower_why: str
 def state_bytes_per_client(spec: dict) -> int:
     """What FedBN keeps per client, counted as raysim's store counts it (tensor bytes + dicts)."""
     from benchmarks.plain import PlainFederation
-    from raysim.methods.base import bn_keys
+    from raysim.tensors import bn_keys
     from raysim.runtime.store import state_nbytes
 
     model = PlainFederation(spec).build_model()

@@ -21,7 +21,7 @@ def rss() -> int:
 def measure(n: int) -> dict:
     import torch
 
-    from raysim.methods.base import bn_keys
+    from raysim.tensors import bn_keys
     from raysim.models import build
     from raysim.runtime.store import ClientStateStore
 

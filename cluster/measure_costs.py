@@ -73,7 +73,10 @@ def fmt_s(s: float) -> str:
 
 
 def measure_method(method: str, k: int, ray_ok: bool) -> dict:
-    from raysim.runtime.host import ClientHost, tensors_nbytes
+    from raysim.aggregation import WeightedMean
+    from raysim.contract import Upload
+    from raysim.runtime.host import ClientHost
+    from raysim.tensors import tensors_nbytes
     from raysim.runtime.server import Server
     from raysim.runtime.store import ClientStateStore, Packed, state_nbytes, to_bytes
 
@@ -119,29 +122,20 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
 
     # aggregation: the host's float64 partial sum per upload (mean methods), the server's step
     shared = {n: v for n, v in host.model.state_dict().items() if n in payload["global"]}
-    if m.aggregation != "per_client":
+    mean_aggregation = isinstance(m.aggregator, WeightedMean)
+    if mean_aggregation:
         def add_one():
-            sums = {n: v.detach().to("cpu", torch.float64) * 64.0 for n, v in shared.items()}
-            for n, v in shared.items():
-                sums[n] += v.detach().to("cpu", torch.float64) * 64.0
+            partial = m.aggregator.start()
+            for c in (0, 1):
+                m.aggregator.add(partial, c, Upload(shared, 64.0))
         _, med, lo, cpu = timed(add_one, 20)
         out["host_sum_per_upload_cpu_s"] = cpu / 2
-    merged = {"host": 0, "weight": sum(r["weight"] for r in results),
-              "metrics": {c: r["metrics"][c] for r, c in zip(results, range(k))},
-              "bytes_up": 0, "dtypes": results[0]["dtypes"], "seconds": 0.0}
-    if m.aggregation == "per_client":
-        merged.update(sums=None, each={c: r["each"][c] for r, c in zip(results, range(k))})
-    else:
-        sums = {}
-        for r in results:
-            for n, v in r["sums"].items():
-                sums[n] = sums[n] + v if n in sums else v.clone()
-        merged.update(sums=sums, each=None)
+    hosts = [{**r, "host": i} for i, r in enumerate(results)]  # one client each, as if on k hosts
     before = server.state
 
     def aggregate():
         server.state = before
-        return server.aggregate(2, merged)
+        return server.aggregate(2, *hosts)
     _, med, lo, cpu = timed(aggregate, 3)
     out["server_aggregate_s"], out["server_aggregate_cpu_s"] = med, cpu
     out["server_aggregate_per_upload_cpu_s"] = cpu / k
@@ -149,7 +143,7 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
         mixes = server.state["dse"]
         out["server_state_per_client_bytes"] = tensors_nbytes(next(iter(mixes.values())))
         out["server_state_per_client_tensors"] = len(next(iter(mixes.values())))
-        out["server_aggregate_scaling"] = fdse_scaling(m, server, results[0]["each"][0], before)
+        out["server_aggregate_scaling"] = fdse_scaling(m, server, results[0]["partial"][0], before)
 
     # spilling: a store with no memory budget spills every state but the newest
     spill_dir = scratch("raysim-measure-spill-")
@@ -184,8 +178,7 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
         out["spill_model_read_s"] = (time.perf_counter() - w0) / (n - 1) - out["spill_model_write_s"]
 
     if ray_ok:
-        out.update(object_store(results[0] if m.aggregation == "per_client" else merged, k,
-                                personal[0] if personal else None))
+        out.update(object_store(results[0], k, personal[0] if personal else None))
     return out
 
 
@@ -201,13 +194,14 @@ def _clone(obj):
 
 def fdse_scaling(m, server, upload, before) -> dict:
     """FDSE's server step for K = 10..400 uploads (copies of one upload with noise)."""
-    from raysim.methods.base import Upload, Uploads
+    from raysim.aggregation import AllUploads
+    from raysim.contract import Upload
     res = {}
     for K in (10, 50, 100, 200, 400):
         g = torch.Generator().manual_seed(K)
         each = {c: Upload({n: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
                            for n, v in upload.tensors.items()}, 64.0, {}, {}) for c in range(K)}
-        ups = Uploads(mean=None, total_weight=64.0 * K, clients=list(range(K)), each=each)
+        ups = AllUploads(each)
         c0 = time.process_time()
         m.aggregate(before, ups, 2)
         res[K] = time.process_time() - c0

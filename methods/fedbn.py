@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.methods.base import Hparams, Method, bn_keys
+from raysim.contract import Method
+from raysim.hparams import Hparams
+from raysim.tensors import bn_keys
 from raysim.training import collect_bn_stats
 
 

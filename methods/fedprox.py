@@ -8,14 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from raysim.methods.base import ClientContext, Hparams, Method, Space, Upload
-from raysim.training import train_epochs
+from raysim.contract import ClientContext, Method, Upload
+from raysim.hparams import Hparams, Space
+from raysim.settings import setting
 
 
 @dataclass(frozen=True)
 class FedProxHparams(Hparams):
-    mu: float = 0.01
+    mu: float = setting(0.01, ge=0)
 
     @classmethod
     def search_space(cls):
@@ -28,13 +30,15 @@ class FedProx(Method):
     paper = "Li et al., MLSys 2020"
 
     def local_update(self, ctx: ClientContext) -> Upload:
-        anchor = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
-
-        def proximal(model, x, y, logits):
-            return proximal_term(dict(model.named_parameters()), anchor, self.hp.mu)
-
-        stats = train_epochs(ctx, extra_loss=proximal if self.hp.mu > 0 else None)
-        return self.upload(ctx, stats)
+        model, mu = ctx.model, self.hp.mu
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # w^{t-1}
+        opt = ctx.optimizer()
+        for x, y in ctx.batches():
+            loss = F.cross_entropy(model(x), y)
+            if mu > 0:
+                loss = loss + proximal_term(dict(model.named_parameters()), anchor, mu)
+            ctx.step(loss, opt)
+        return self.upload(ctx, ctx.stats())
 
 
 def proximal_term(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], mu: float):

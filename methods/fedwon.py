@@ -34,13 +34,16 @@ FedWon is FedAvg on a different network, plus one change to the local SGD step:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from raysim.contract import ClientContext, Method, Upload
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, Hparams, Method, Space, Upload
+from raysim.hparams import Hparams, Space
+from raysim.settings import setting
+from raysim.training import train_epochs
 
 
 # ----------------------------------------------------------------------------- WSConv
@@ -167,49 +170,27 @@ def agc_parameters(model: nn.Module, exclude: Iterable[str] = ("head",),
 class FedWonHparams(Hparams):
     # AGC (App. A.3, Eq. 4). agc: True, False, or "auto" = on iff batch_size > agc_small_batch
     # (the paper: AGC at B = 32, bypassed for B in {1, 2, 4}).
-    agc: Any = "auto"
-    agc_lambda: float = 0.64  # Digits-Five 0.64; Office-Caltech-10 and DomainNet 1.28
-    agc_eps: float = 1e-3
+    agc: bool | str = setting("auto", one_of=(True, False, "auto"), expected="true, false or 'auto'")
+    agc_lambda: float = setting(0.64, gt=0, expected="> 0")  # Digits-Five 0.64; Office-Caltech-10 and DomainNet 1.28
+    agc_eps: float = setting(1e-3, gt=0, expected="> 0")
     agc_small_batch: int = 4
     agc_exclude: str = "head"  # comma-separated module names left unclipped (the classifier)
     agc_clip_vectors: bool = True  # clip biases and WS gains too (each tensor one unit)
     # WSConv (Eq. 3, Listing 1)
     ws: bool = True  # False: plain convs, no norm ("FedAvg w/o BN" of the ablations, Table 18)
-    ws_eps: float = 1e-4
+    ws_eps: float = setting(1e-4, gt=0, expected="> 0")
     ws_unbiased: bool = True  # Listing 1's torch.var; False: Eq. (3)'s population variance
     ws_gain_init: float = 1.0
     ws_bias: bool = True  # every WSConv has a bias (Listing 1 default), even where the net had none
-    ws_plain_convs: str = ""  # comma-separated 1-based conv indices kept plain; "3" = Table 6 literally
+    ws_plain_convs: tuple[int, ...] = setting((), ge=1)  # 1-based conv indices kept plain; [3] = Table 6 literally
     # Local learning rate for FedWon alone (0: train.lr). The paper tunes lr per method (Tables 8-9:
     # Digits FedWon 0.05 vs 0.1 for the BN baselines), and a comparison config shares train.lr.
     # train.lr_decay still applies: lr_t = lr * lr_decay ** (t - 1).
-    lr: float = 0.0
-
-    def __post_init__(self):
-        if not (self.agc is True or self.agc is False or self.agc == "auto"):
-            raise UserError(f"hyperparameter 'agc' = {self.agc!r}: expected true, false or 'auto'")
-        if not self.agc_lambda > 0:
-            raise UserError(f"hyperparameter 'agc_lambda' = {self.agc_lambda}: expected > 0")
-        if self.lr < 0:
-            raise UserError(f"hyperparameter 'lr' = {self.lr}: expected > 0 (or 0: use train.lr)")
-        if not (self.agc_eps > 0 and self.ws_eps > 0):
-            raise UserError("hyperparameters 'agc_eps' and 'ws_eps' must be > 0")
-        _plain_indices(self.ws_plain_convs)
+    lr: float = setting(0.0, ge=0, expected="> 0 (or 0: use train.lr)")
 
     @classmethod
     def search_space(cls):
         return {"agc_lambda": Space.choice(0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)}
-
-
-def _plain_indices(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(t) for t in str(text).split(",") if t.strip())
-    except ValueError:
-        raise UserError(f"hyperparameter 'ws_plain_convs' = {text!r}: expected comma-separated "
-                        f"conv indices such as '3'") from None
-    if any(i < 1 for i in out):
-        raise UserError(f"hyperparameter 'ws_plain_convs' = {text!r}: indices start at 1")
-    return out
 
 
 class FedWon(Method):
@@ -222,8 +203,7 @@ class FedWon(Method):
         hp = self.hp
         if not hp.ws:
             return None  # the zoo's plain Conv2d
-        return ws_conv_factory(hp.ws_eps, hp.ws_unbiased, hp.ws_gain_init, hp.ws_bias,
-                               _plain_indices(hp.ws_plain_convs))
+        return ws_conv_factory(hp.ws_eps, hp.ws_unbiased, hp.ws_gain_init, hp.ws_bias, hp.ws_plain_convs)
 
     def build_model(self) -> nn.Module:
         from raysim.models import build, is_norm
@@ -240,7 +220,7 @@ class FedWon(Method):
         if self.hp.ws:
             plain = [n for n, mod in model.named_modules()
                      if isinstance(mod, nn.Conv2d) and not isinstance(mod, WSConv2d)]
-            if len(plain) != len(_plain_indices(self.hp.ws_plain_convs)):
+            if len(plain) != len(self.hp.ws_plain_convs):
                 raise UserError(f"fedwon: model {m.name!r} does not build its convs from the conv "
                                 f"factory ({plain[:3]} stayed nn.Conv2d)")
         return model
@@ -252,11 +232,8 @@ class FedWon(Method):
         return bool(self.hp.agc)
 
     def local_update(self, ctx: ClientContext) -> Upload:
-        from raysim.training import make_sgd, train_epochs
-        opt = make_sgd(ctx)  # plain SGD, rebuilt every round
-        if self.hp.lr > 0:
-            for group in opt.param_groups:
-                group["lr"] = ctx.lr * self.hp.lr / ctx.train.lr
+        lr = ctx.lr * self.hp.lr / ctx.train.lr if self.hp.lr > 0 else None
+        opt = ctx.optimizer(lr=lr)  # plain SGD, rebuilt every round
         counts = [0, 0]
         if self.use_agc(ctx.train.batch_size):
             hp = self.hp

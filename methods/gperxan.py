@@ -41,37 +41,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raysim.contract import ClientContext, Method, Upload, client_weight
 from raysim.errors import UserError
-from raysim.methods.base import (ClientContext, Hparams, Method, Space, Upload, bn_keys, client_weight,
-                                 load_tensors)
+from raysim.hparams import Hparams, Space
 from raysim.methods.gperxan_layers import (IN_AFFINE_INITS, MIXES, SCORE_INITS, bn_side_keys, place,
                                            select)
-from raysim.training import train_epochs
+from raysim.settings import setting
+from raysim.tensors import bn_keys, load_tensors
 
 NORMS = ("perxan", "xan", "ibn", "bn")
 LR_SCHEDULES = ("engine", "cosine")
 LAMBDA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # Sec. 4.2: "searched in the range [0, 1] with a step of 0.25"
 
 
-def _check(name: str, value, options):
-    if value not in options:
-        raise UserError(f"hyperparameter '{name}' = {value!r}: expected one of {', '.join(map(str, options))}")
-
-
 # ============================================================================= hyperparameters
 
 @dataclass(frozen=True)
 class GFedAvgHparams(Hparams):
-    lam: float = 0.5  # lambda of Eq. 3 (paper: grid [0, 1] step 0.25, value not reported; code 0.5)
+    lam: float = setting(0.5, ge=0)  # lambda of Eq. 3 (paper: grid [0, 1] step 0.25, value not reported; code 0.5)
     # ---- the official code's optimizer details (the paper states none of them) ----
-    lr_schedule: str = "engine"  # "engine": train.lr / lr_decay like every method | "cosine": code's
-    #                              per-round cosine, lr_t = lr (1 + cos(pi t / T)) / 2
+    lr_schedule: str = setting("engine", one_of=LR_SCHEDULES)  # "engine": train.lr / lr_decay like every
+    #                              method | "cosine": code's per-round cosine, lr_t = lr (1 + cos(pi t / T)) / 2
     persist_optimizer: bool = False  # True: SGD momentum buffers kept on the client across rounds (code)
-
-    def __post_init__(self):
-        if not 0 <= self.lam:
-            raise UserError(f"hyperparameter 'lam' = {self.lam}: expected >= 0")
-        _check("lr_schedule", self.lr_schedule, LR_SCHEDULES)
 
     @classmethod
     def search_space(cls):
@@ -80,22 +71,15 @@ class GFedAvgHparams(Hparams):
 
 @dataclass(frozen=True)
 class GPerXANHparams(GFedAvgHparams):
-    norm: str = "perxan"  # perxan | xan (not personalized) | ibn (IBN-Net-a) | bn   (Table 4)
+    norm: str = setting("perxan", one_of=NORMS)  # perxan | xan (not personalized) | ibn (IBN-Net-a) | bn (Table 4)
     stages: str = "auto"  # which BNs are replaced: auto | all | comma list of stages (stem, layer1..4; denseblockN, transitionN, final) or slot names
     #                       (PACS: all = stem + layer1-4; Office-Home: "stem,layer1,layer2")
-    mix: str = "softmax"  # softmax of the two scores (code; the paper's "ratios") | linear (raw Eq. 2)
-    score_init: str = "random"  # random: U[0,1) scores (paper: "randomly initialized") | ones (code)
+    mix: str = setting("softmax", one_of=MIXES)  # softmax of the two scores (code; the paper's "ratios") | linear (raw Eq. 2)
+    score_init: str = setting("random", one_of=SCORE_INITS)  # random: U[0,1) scores (paper: "randomly initialized") | ones (code)
     local_bn_score: bool = True  # s_bn is personal with the BN side (code: every "batchnorm" key)
     local_plain_bn: bool = False  # True: BNs left outside XAN stay local too (Alg. 1 line 6 read
     #                               literally); False: averaged like FedAvg (Sec. 3.1 text, code)
-    in_affine_init: str = "default"  # IN affine (1, 0) | copy_bn (from the BN it replaces)
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check("norm", self.norm, NORMS)
-        _check("mix", self.mix, MIXES)
-        _check("score_init", self.score_init, SCORE_INITS)
-        _check("in_affine_init", self.in_affine_init, IN_AFFINE_INITS)
+    in_affine_init: str = setting("default", one_of=IN_AFFINE_INITS)  # IN affine (1, 0) | copy_bn (from the BN it replaces)
 
 
 # ============================================================================= gFedAvg
@@ -120,24 +104,16 @@ class GFedAvg(Method):
         if not isinstance(getattr(model, "head", None), nn.Module) or not hasattr(model, "features"):
             raise UserError(f"{self.name}: the model needs a 'features' trunk and a 'head' classifier")
         h_g = frozen_copy(model.head)  # the global head as received this round (A11)
-        z_box: dict[str, torch.Tensor] = {}
-
-        def capture(module, args):  # z = g_i(x) is the head's input, from the forward giving h_i(z)
-            z_box["z"] = args[0]
-
-        def guide(model, x, y, logits):
-            return lam * F.cross_entropy(h_g(z_box.pop("z")), y)
-
         opt = self.optimizer(ctx)
-        hook = model.head.register_forward_pre_hook(capture) if lam > 0 else None
-        try:
-            stats = train_epochs(ctx, extra_loss=guide if lam > 0 else None, optimizer=opt)
-        finally:
-            if hook is not None:
-                hook.remove()
+        for x, y in ctx.batches():
+            z = model.features(x)  # g_i(x)
+            loss = F.cross_entropy(model.head(z), y)  # CE(h_i(z), y)
+            if lam > 0:
+                loss = loss + lam * F.cross_entropy(h_g(z), y)  # + lambda CE(h_g(z), y): Eq. 3
+            ctx.step(loss, opt)
         if self.hp.persist_optimizer:
             ctx.state["momentum"] = momentum_buffers(model, opt)
-        return self.upload(ctx, stats)
+        return self.upload(ctx, ctx.stats())
 
     def lr(self, ctx: ClientContext) -> float:
         if self.hp.lr_schedule == "cosine":  # stepped once per round, before training; round T: 0
@@ -145,11 +121,10 @@ class GFedAvg(Method):
         return ctx.lr
 
     def optimizer(self, ctx: ClientContext) -> torch.optim.Optimizer:
-        t = ctx.train
-        opt = torch.optim.SGD(ctx.model.parameters(), lr=self.lr(ctx), momentum=t.momentum,
-                              weight_decay=t.weight_decay)
+        """SGD at this method's lr, with the client's momentum buffers back (persist_optimizer)."""
+        opt = ctx.optimizer(lr=self.lr(ctx))
         saved = ctx.state.get("momentum") if self.hp.persist_optimizer else None
-        if saved and t.momentum > 0:
+        if saved and ctx.train.momentum > 0:
             for name, p in ctx.model.named_parameters():
                 if name in saved:
                     opt.state[p]["momentum_buffer"] = saved[name].to(p.device, p.dtype).clone()
@@ -218,13 +193,7 @@ class GPerXAN(GFedAvg):
         sides, which only ``global_eval_model`` reads (clients never load them)."""
         return {"global": state["global"]}
 
-    def aggregate(self, state: dict, uploads, round: int) -> dict:
-        """Eq. 1 over every tensor (the engine's n_i-weighted mean), BN sides included."""
-        if uploads.mean is None:
-            return state
-        new_global = dict(state["global"])
-        new_global.update(uploads.mean)
-        return {**state, "global": new_global}
+    # aggregate: Eq. 1 over every tensor, BN sides included, is FedAvg's weighted mean (inherited)
 
     # ---- client ---------------------------------------------------------------------------
     def load_client_model(self, model: nn.Module, payload: dict, state: dict) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.methods.base import Hparams, Method
+from raysim.contract import Method
+from raysim.hparams import Hparams
 
 
 @dataclass(frozen=True)

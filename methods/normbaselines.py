@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from raysim.errors import UserError
-from raysim.methods.base import ClientContext, Hparams, Method, Space, Upload
-from raysim.training import collect_bn_stats
+from raysim.contract import ClientContext, Method, Upload
+from raysim.hparams import Hparams, Space
+from raysim.settings import setting
+from raysim.training import collect_bn_stats, train_epochs
 
 
 def _build(method: Method, norm: str) -> nn.Module:
@@ -125,14 +126,8 @@ class SiloBN(Method):
 
 @dataclass(frozen=True)
 class FixBNHparams(Hparams):
-    switch_frac: float = 0.5  # stage 1 = the first round(switch_frac * rounds) rounds
-    switch_round: int = 0  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
-
-    def __post_init__(self):
-        if not 0 <= self.switch_frac <= 1:
-            raise UserError(f"hyperparameter 'switch_frac' = {self.switch_frac}: expected a number in [0, 1]")
-        if self.switch_round < 0:
-            raise UserError(f"hyperparameter 'switch_round' = {self.switch_round}: expected >= 0")
+    switch_frac: float = setting(0.5, ge=0, le=1)  # stage 1 = the first round(switch_frac * rounds) rounds
+    switch_round: int = setting(0, ge=0)  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
 
     @classmethod
     def search_space(cls):
@@ -194,7 +189,6 @@ class FixBN(Method):
         return round > self.switch_round()
 
     def local_update(self, ctx: ClientContext) -> Upload:
-        from raysim.training import train_epochs
         if self.frozen(ctx.round):
             with frozen_bn(ctx.model):
                 stats = train_epochs(ctx)

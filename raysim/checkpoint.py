@@ -18,7 +18,7 @@ import torch
 
 from raysim.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a client is stored as {"state": ..., "trained": ...} (the engine never writes into method state)
 _FILES = ("meta.json", "server.pt", "clients.pt", "metrics.parquet")
 
 

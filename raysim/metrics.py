@@ -114,6 +114,25 @@ class MetricsLog:
         return headline
 
 
+class MetricsWriter:
+    """Round-loop callback: ``metrics.parquet`` after every evaluated round (an early-stopped or
+    killed run keeps its rows so far) and when the loop ends."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "metrics.parquet")
+
+    def on_start(self, run) -> None:
+        pass
+
+    def on_round(self, rnd: int, summary: dict, evaluation, log: MetricsLog) -> None:
+        if evaluation is not None:
+            log.write(self.path)
+
+    def on_end(self, log: MetricsLog) -> None:
+        if len(log):
+            log.write(self.path)
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 

@@ -39,3 +39,23 @@ class Progress:
 def _fmt(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}:{s:02d}"
+
+
+class ProgressCallback:
+    """Round-loop callback drawing a :class:`Progress` line for one federation."""
+
+    def __init__(self, total: int, label: str, mode: bool | str = True):
+        """``mode``: True (a live bar on a terminal), "lines" (one line per round: federations
+        running side by side share the terminal) or False."""
+        self.bar = Progress(total, label=label, enabled=bool(mode), lines=mode == "lines")
+        self.last_eval: dict = {}
+
+    def on_start(self, run) -> None:
+        self.bar.t0 = time.perf_counter()  # rounds only: start-up is not in the ETA
+
+    def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
+        self.last_eval = evaluation or self.last_eval
+        self.bar.update(rnd, summary["train_loss"], self.last_eval)
+
+    def on_end(self, log) -> None:
+        self.bar.close()

@@ -17,7 +17,7 @@ from typing import Any
 
 from raysim.config import set_path
 from raysim.errors import UserError
-from raysim.methods.base import Space
+from raysim.hparams import Space
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 FIXED = (None, "fixed", "none", False)

@@ -20,7 +20,7 @@ from typing import Any
 from raysim.config import ExperimentConfig, apply_overrides, load_config, parse_override, read_yaml
 from raysim.errors import UserError
 from raysim.tuning import space as sp
-from raysim.methods.base import Space
+from raysim.hparams import Space
 
 TUNE_KEYS = ("experiment", "name", "method", "metric", "mode", "trials", "max_concurrent", "sampler",
              "scheduler", "space", "initial_points", "resources")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raysim.methods.base import ClientData  # noqa: F401  (re-exported for the host)
-
 
 class SplitView:
     def __init__(self, split, indices: np.ndarray):

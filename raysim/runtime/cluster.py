@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 
-from raysim.errors import UserError
+from raysim.errors import TrainingDiverged, UserError
+
+SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
 
 @contextlib.contextmanager
@@ -97,9 +100,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
 
 def await_pool(hosts: list, starts: list, num_clients: int, run_dir: str | None = None) -> list[dict]:
     """Wait for the hosts' start(); check they hold the ``num_clients`` clients the server counts."""
-    from raysim.experiment import _get
-
-    ready = _get(starts)
+    ready = ray_get(starts)
     held = sum(r["clients"] for r in ready)
     if held != num_clients:  # both sides build the federation from the same config: a bug if not
         raise RuntimeError(f"the hosts hold {held} clients but the server counts {num_clients}")
@@ -160,3 +161,70 @@ def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
     os.replace(tmp, os.path.join(run_dir, "hosts.json"))
+
+
+def ray_get(refs):
+    """ray.get that turns a user error raised inside an actor back into a plain UserError."""
+    import ray
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, TrainingDiverged):
+            raise cause from None
+        if isinstance(cause, UserError):
+            raise UserError(str(cause).splitlines()[0]) from None
+        raise
+
+
+def alive(actor, timeout: float = 30.0) -> bool:
+    import ray
+    try:
+        ray.get(actor.ping.remote(), timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def first_line(err: Exception) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def server_placement():
+    """Inside a Tune trial the server takes bundle 0 of the trial's placement group (the hosts take
+    1..H); otherwise Ray places it."""
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    pg = get_current_placement_group()
+    return None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+
+
+def parallel_slots(cfg, num_jobs: int) -> int:
+    """How many federations run at once: ``runtime.parallel_federations``, or as many as the
+    cluster's free CPUs and GPUs fit (one inside a Tune trial, whose placement group holds one)."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+
+    rt = cfg.runtime
+    if rt.parallel_federations is not None:
+        return max(1, min(rt.parallel_federations, num_jobs))
+    if get_current_placement_group() is not None or rt.num_hosts is None:
+        return 1
+
+    def fits_now() -> int:
+        free = ray.available_resources()
+        fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
+        if rt.gpus_per_host:
+            fits = min(fits, int((free.get("GPU", 0) + 1e-9) // (rt.gpus_per_host * rt.num_hosts)))
+        return fits
+
+    # Ray frees a killed actor's resources asynchronously, so right after a previous run the free
+    # count can lag by a few hundred ms; look a few times before settling for fewer slots.
+    fits = fits_now()
+    for _ in range(SLOT_SETTLE_TRIES):
+        if fits >= num_jobs:
+            break
+        time.sleep(SLOT_SETTLE_S)
+        fits = max(fits, fits_now())
+    return max(1, min(fits, num_jobs))

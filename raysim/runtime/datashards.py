@@ -168,11 +168,21 @@ class FederationShards:
         self.domains = tuple(index["domains"])
 
 
+def lodo_holdouts(cfg) -> list[str]:
+    """The domains a leave-one-domain-out run holds out in turn (``eval.holdout``)."""
+    domains = dataset_domains(cfg)  # from the shards' index under data.shards: no data load
+    if cfg.eval.holdout == "all":
+        return domains
+    if cfg.eval.holdout not in domains:
+        raise UserError(f"eval.holdout = {cfg.eval.holdout!r} is not a domain of {cfg.data.dataset}; "
+                        f"expected 'all' or one of: {', '.join(domains)}")
+    return [cfg.eval.holdout]
+
+
 def _holdouts(cfg) -> list[str] | None:
     """The held-out domains the config's runs use: every LODO federation, or the partition's own."""
     if cfg.eval.protocol == "lodo":
-        from raysim.experiment import lodo_holdouts  # the driver's own list, so the two never differ
-        return list(lodo_holdouts(cfg))
+        return lodo_holdouts(cfg)
     holdout = dict(cfg.data.partition).get("holdout")
     return None if holdout is None else [holdout]
 

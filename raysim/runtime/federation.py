@@ -12,8 +12,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from raysim.contract import Setup
 from raysim.methods import registry
-from raysim.methods.base import Setup
+from raysim.profiles import client_profiles
 
 
 class Federation:
@@ -88,7 +89,8 @@ class Federation:
     def client_data(self, cid: int):
         """A client's data as its host keeps it: views on the dataset's splits, or the arrays read
         from the client's own shard (same images, same order, same normalisation)."""
-        from raysim.runtime.clientdata import ClientData, SplitView
+        from raysim.contract import ClientData
+        from raysim.runtime.clientdata import SplitView
 
         if self.shards is not None:
             n = self.num_clients
@@ -107,8 +109,9 @@ class Federation:
         return self.partition.domain(cid) if cid < n else self.target.domain(cid - n)
 
     def profile(self, client_id: int) -> dict:
+        """A training client's system profile ({} without profiles, and for unseen clients)."""
         profiles = self.setup.client_profiles
-        return profiles[client_id] if profiles else {}
+        return profiles[client_id] if client_id < len(profiles) else {}
 
     @cached_property
     def setup(self) -> Setup:
@@ -116,12 +119,17 @@ class Federation:
         return Setup(num_classes=self.num_classes, image_shape=self.image_shape,
                      num_clients=part.num_clients,
                      client_domains=tuple(part.domain(c) for c in range(part.num_clients)),
-                     model=self.cfg.model, train=self.cfg.train, rounds=self.cfg.rounds, seed=self.cfg.seed)
+                     model=self.cfg.model, train=self.cfg.train, rounds=self.cfg.rounds, seed=self.cfg.seed,
+                     client_profiles=client_profiles(self.cfg.clients.profiles, part.num_clients, self.cfg.seed))
 
     @cached_property
     def method(self):
         cls = registry.get(self.cfg.method)
         return cls(cls.hparams_from(self.cfg.hp.get(self.cfg.method), prefix=f"hp.{self.cfg.method}"), self.setup)
+
+    def is_unseen(self, cid: int) -> bool:
+        """A held-out domain's client: it never trains, it is only evaluated."""
+        return cid >= self.num_clients
 
     def initial_model(self) -> torch.nn.Module:
         """The same weights on every process: built under a generator keyed by the seed alone."""

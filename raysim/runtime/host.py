@@ -2,7 +2,11 @@
 
 It loads its clients' data partitions once, keeps one model instance that every client's step
 reuses, keeps each client's persistent state between rounds (spilling idle ones to disk), and
-returns per-host partial sums when the method aggregates by a weighted mean.
+folds its clients' uploads with the method's aggregator into one partial result per round.
+
+A client's stored record is ``{"state": what the method keeps, "trained": the model as it left
+training}`` ("trained" only with ``eval.point: post_train``): the engine never writes into the
+method's state.
 """
 from __future__ import annotations
 
@@ -12,11 +16,12 @@ from collections import OrderedDict
 
 import torch
 
-from raysim.methods.base import ClientContext, UnseenClient, Upload
-from raysim.runtime.clientdata import ClientData
+from raysim.aggregation import WeightedMean
+from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore
+from raysim.tensors import tensors_nbytes
 from raysim.training import evaluate
 
 
@@ -25,16 +30,6 @@ def pick_device(gpu_ids) -> torch.device:
     if gpu_ids and torch.cuda.is_available():
         return torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU(s)
     return torch.device("cpu")
-
-
-def tensors_nbytes(tensors) -> int:
-    total = 0
-    for v in tensors.values():
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        elif isinstance(v, dict):
-            total += tensors_nbytes(v)
-    return total
 
 
 # A host keeps at most this many clients' data views (index arrays into the dataset, or shard
@@ -108,12 +103,13 @@ class ClientHost:
                 "threads": torch.get_num_threads(), "pid": os.getpid(), **_node()}
 
     # ------------------------------------------------------------------ state
-    def _state(self, cid: int) -> dict:
-        state = self.store.get(cid)
-        if state is None:
+    def _record(self, cid: int) -> dict:
+        """The client's stored record; a client's first one holds its initial state."""
+        record = self.store.get(cid)
+        if record is None:
             self.model.load_state_dict(self._init_sd)
-            state = self.method.init_client_state(cid, self.model)
-        return state
+            record = {"state": self.method.init_client_state(cid, self.model)}
+        return record
 
     def _context(self, cid: int, rnd: int, payload: dict, state: dict) -> ClientContext:
         train = self.cfg.train
@@ -126,53 +122,37 @@ class ClientHost:
 
     # ------------------------------------------------------------------ a round
     def train_round(self, rnd: int, payload_box: list, client_ids: list[int], personal_boxes: dict | None = None):
-        """Run the local step of each listed client (ascending id); return what the server needs."""
+        """Run the local step of each listed client (ascending id); return the host's partial
+        result (the method's aggregator), the clients' metrics and the bytes they sent."""
         import ray
         payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
         personal_boxes = personal_boxes or {}
-        per_client = self.method.aggregation == "per_client"
-        sums: dict[str, torch.Tensor] = {}
-        weight = 0.0
-        each: dict[int, Upload] = {}
+        aggregator = self.method.aggregator
+        partial = aggregator.start()
+        personal = WeightedMean().start() if self._personal_keys else None
         metrics: dict[int, dict] = {}
         bytes_up = 0
-        personal_sums: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
         for cid in sorted(client_ids):
             mine = _client_payload(payload, personal_boxes.get(cid))
-            state = self._state(cid)
-            self.method.load_client_model(self.model, mine, state)
-            ctx = self._context(cid, rnd, mine, state)
+            record = self._record(cid)
+            self.method.load_client_model(self.model, mine, record["state"])
+            ctx = self._context(cid, rnd, mine, record["state"])
             up = self.method.local_update(ctx)
+            record = {"state": ctx.state}
             if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
-                ctx.state["trained"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.store.put(cid, ctx.state)
+                record["trained"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.store.put(cid, record)
             metrics[cid] = dict(up.metrics)
             bytes_up += tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
-            if per_client:
-                each[cid] = Upload({k: v.detach().cpu().clone() for k, v in up.tensors.items()}, up.weight,
-                                   up.extras, up.metrics)
-            else:
-                for k, v in up.tensors.items():
-                    contrib = v.detach().to("cpu", torch.float64) * up.weight
-                    if k in sums:
-                        sums[k] += contrib
-                    else:
-                        sums[k] = contrib
-            weight += up.weight
-            if self._personal_keys:
+            aggregator.add(partial, cid, up)
+            if personal is not None:  # for the global model only (Method.global_eval_model)
                 sd = self.model.state_dict()
-                for k in self._personal_keys:
-                    v = sd[k].detach().to("cpu", torch.float64)
-                    personal_sums[k] = personal_sums[k] + v if k in personal_sums else v.clone()
+                WeightedMean().add(personal, cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
         eval_bytes = len(client_ids) * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
                                            for k in self._personal_keys)
-        return {"host": self.host_id, "sums": None if per_client else sums, "weight": weight,
-                "personal_sums": personal_sums, "personal_count": len(client_ids) if self._personal_keys else 0,
-                "bytes_up_eval": eval_bytes,
-                "each": each if per_client else None, "metrics": metrics, "bytes_up": bytes_up,
-                "dtypes": {k: v.dtype for k, v in self._init_sd.items()},
-                "seconds": time.perf_counter() - t0}
+        return {"host": self.host_id, "partial": partial, "personal": personal, "metrics": metrics,
+                "bytes_up": bytes_up, "bytes_up_eval": eval_bytes, "seconds": time.perf_counter() - t0}
 
     def evaluate(self, rnd: int, payload_box: list, requests: dict[int, list[str]], protocol: str,
                  personal_boxes: dict | None = None) -> dict:
@@ -186,16 +166,16 @@ class ClientHost:
         out = {}
         if protocol == "personalized":
             for cid in sorted(requests):
-                state = self._state(cid)
-                if self.cfg.eval.point == "post_train" and "trained" in state:
-                    self.model.load_state_dict(state["trained"])
+                record = self._record(cid)
+                if "trained" in record:  # eval.point post_train
+                    self.model.load_state_dict(record["trained"])
                     model = self.model
                 else:  # "received", and clients not trained yet
                     mine = _client_payload(payload, personal_boxes.get(cid))
-                    model = self.method.eval_model(self.model, mine, state)
+                    model = self.method.eval_model(self.model, mine, record["state"])
                 out[cid] = self._scores(model, cid, requests[cid])
             return out
-        seen = [c for c in sorted(requests) if c < self.fed.num_clients]
+        seen = [c for c in sorted(requests) if not self.fed.is_unseen(c)]
         if seen:
             model = self._global_model(payload)
             for cid in seen:
@@ -232,7 +212,7 @@ class ClientHost:
         return True
 
     def export_states(self) -> dict[int, dict]:
-        """Every client's persistent state (spilled ones included), for a checkpoint."""
+        """Every client's stored record (spilled ones included), for a checkpoint."""
         return dict(self.store.items())
 
     def import_states(self, states: dict[int, dict]) -> None:

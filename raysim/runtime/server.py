@@ -1,8 +1,5 @@
-"""Server: holds the global state, samples clients, aggregates, and turns evaluations into rows.
-
-The aggregation is order-independent: hosts send n_k-weighted sums in float64 (a float32 value
-times an integer weight is exact in float64), the server adds them in host order and rounds the
-mean back to the tensor's dtype once, so 1 host or 8 give the same float32 result.
+"""Server: holds the global state, samples clients, reduces the hosts' partial results with the
+method's aggregator (in host order: see raysim.aggregation) and runs the method's server step.
 """
 from __future__ import annotations
 
@@ -11,11 +8,11 @@ import math
 import numpy as np
 import torch
 
+from raysim.aggregation import WeightedMean
 from raysim.errors import UserError
-from raysim.methods.base import Uploads
 from raysim.runtime.federation import Federation
-from raysim.runtime.host import tensors_nbytes
 from raysim.runtime.seeding import SERVER, rng_for
+from raysim.tensors import tensors_nbytes
 
 
 class Server:
@@ -88,33 +85,13 @@ class Server:
 
     def aggregate(self, rnd: int, *host_results) -> dict:
         results = sorted(host_results, key=lambda r: r["host"])
-        total = sum(r["weight"] for r in results)
-        clients = sorted(c for r in results for c in r["metrics"])
-        mean = None
-        if results and results[0]["sums"] is not None:
-            sums: dict[str, torch.Tensor] = {}
-            for r in results:
-                for k, v in r["sums"].items():
-                    sums[k] = sums[k] + v if k in sums else v.clone()
-            dtypes = results[0]["dtypes"]
-            mean = {}
-            for k, v in sums.items():
-                mean[k] = _cast(v / total if total > 0 else v, dtypes.get(k, torch.float32))
-        each = None
-        if results and results[0]["each"] is not None:
-            each = {c: u for r in results for c, u in r["each"].items()}
-            each = dict(sorted(each.items()))
-        uploads = Uploads(mean=mean, total_weight=total, clients=clients, each=each)
-        count = sum(r.get("personal_count", 0) for r in results)
-        if count:
-            psums: dict[str, torch.Tensor] = {}
-            for r in results:
-                for k, v in r["personal_sums"].items():
-                    psums[k] = psums[k] + v if k in psums else v.clone()
-            dtypes = results[0]["dtypes"]
-            self.personal_mean = {k: _cast(v / count, dtypes.get(k, torch.float32)) for k, v in psums.items()}
+        uploads = self.method.aggregator.reduce([r["partial"] for r in results])
         self.state = self.method.aggregate(self.state, uploads, rnd)
+        gathered = [r["personal"] for r in results if r["personal"] is not None]
+        if gathered:
+            self.personal_mean = WeightedMean().reduce(gathered).mean
         metrics = {c: m for r in results for c, m in r["metrics"].items()}
+        clients = sorted(metrics)
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
         return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
                 "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
@@ -137,7 +114,3 @@ class Server:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self.method.init_server(self.fed.initial_model())
 
-
-def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float64 mean back to the tensor's own dtype (integers rounded)."""
-    return value.to(dtype) if dtype.is_floating_point else value.round().to(dtype)

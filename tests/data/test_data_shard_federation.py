@@ -93,7 +93,7 @@ def test_leave_one_domain_out_shards(tmp_path, data_cache):
     index = write_federation_shards(cfg(raw=raw), uri)
     assert index["holdouts"] == ["45"]
     assert sorted(os.listdir(tmp_path / "lodo" / "holdout-45")) == ["source", "target"]
-    from raysim.experiment import lodo_holdouts
+    from raysim.runtime.datashards import lodo_holdouts
     assert lodo_holdouts(cfg(f"data.shards={uri}", raw=raw)) == ["45"]
     plain = Federation(cfg("data.partition.holdout='45'", raw=raw))
     fed = Federation(cfg("data.partition.holdout='45'", f"data.shards={uri}", raw=raw))

@@ -13,7 +13,7 @@ import torch
 from raysim import checkpoint
 from raysim.config import load_config
 from raysim.errors import RunFailed, UserError
-from raysim.experiment import FederationRun, resume_config
+from raysim.experiment import federation, resume_config
 from raysim.metrics import MetricsLog
 
 BASE = {
@@ -37,7 +37,7 @@ def metrics(run_dir):
 @pytest.fixture(scope="module")
 def undisturbed(ray_session, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("undisturbed"))
-    FederationRun(cfg(), out, progress=False).run()
+    federation(cfg(), out, progress=False).run()
     return metrics(out)
 
 
@@ -49,9 +49,9 @@ def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(RunFailed, match=r"interrupted in round 3; resume with: raysim run --resume"):
-        FederationRun(cfg(), out, progress=False, on_round=stop_after_round_3).run()
+        federation(cfg(), out, progress=False, on_round=stop_after_round_3).run()
     assert checkpoint.list_rounds(out) == [2]
-    FederationRun(resume_config(out, []), out, progress=False).run(resume=True)
+    federation(resume_config(out, []), out, progress=False).run(resume=True)
     assert metrics(out).equals(undisturbed)
 
 
@@ -86,8 +86,6 @@ def test_driver_process_killed_after_round_3_resumes_to_identical_metrics(undist
 def test_host_killed_mid_round_is_replaced_and_metrics_are_identical(undisturbed, tmp_path):
     import ray
 
-    fed = FederationRun(cfg(), str(tmp_path / "run"), progress=False)
-
     killed = []
 
     def kill_a_host_during_round_4(rnd, summary, evaluation):
@@ -96,7 +94,7 @@ def test_host_killed_mid_round_is_replaced_and_metrics_are_identical(undisturbed
             threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
             killed.append(pid)
 
-    fed.on_round = kill_a_host_during_round_4
+    fed = federation(cfg(), str(tmp_path / "run"), progress=False, on_round=kill_a_host_during_round_4)
     result = fed.run()
     assert result.host_restarts == 1
     assert metrics(fed.run_dir).equals(undisturbed)

@@ -114,7 +114,7 @@ def test_leave_one_domain_out_trains_on_sources_and_tests_the_unseen_domain(ray_
 def test_held_out_domains_run_in_parallel_with_the_same_metrics(ray_session, tmp_path):
     """One host per federation on the session's 2 CPUs: two held-out domains train at once, and a
     held-out domain gives the metrics it gives when run alone."""
-    from raysim.experiment import parallel_slots
+    from raysim.runtime.cluster import parallel_slots
     base = ("eval.protocol=lodo", "eval.holdout=all", "rounds=1", "runtime.num_hosts=1",
             "data.partition.train_size=32")
     assert parallel_slots(tiny(*base), 5) == 2

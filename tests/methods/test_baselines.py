@@ -2,7 +2,9 @@
 import torch
 from torch import nn
 
-from raysim.methods.base import Uploads, bn_keys, load_tensors
+from raysim.aggregation import Mean, WeightedMean
+from raysim.contract import Upload
+from raysim.tensors import bn_keys, load_tensors
 from raysim.methods.fedavg import FedAvg
 from raysim.methods.fedbn import FedBN
 from raysim.methods.fedprox import FedProx, proximal_term
@@ -18,7 +20,7 @@ def tiny():
 def test_fedavg_aggregate_takes_the_weighted_mean():
     m = FedAvg(FedAvg.Hparams(), setup=None)
     state = {"global": {"w": torch.zeros(2)}}
-    new = m.aggregate(state, Uploads(mean={"w": torch.tensor([1.0, 2.0])}, total_weight=3, clients=[0, 1]), 1)
+    new = m.aggregate(state, Mean({"w": torch.tensor([1.0, 2.0])}, 3, [0, 1]), 1)
     assert torch.equal(new["global"]["w"], torch.tensor([1.0, 2.0]))
 
 
@@ -26,16 +28,18 @@ def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
     # clients: n=1 with w=[1, 4], n=3 with w=[5, 0]  ->  (1*[1,4] + 3*[5,0]) / 4 = [4, 1]
     w1, w2 = torch.tensor([1.0, 4.0]), torch.tensor([5.0, 0.0])
 
-    def host(h, pairs):
-        sums = {}
-        for w, n in pairs:
-            sums["w"] = sums.get("w", 0) + w.double() * n
-        return {"host": h, "sums": sums, "weight": float(sum(n for _, n in pairs)), "each": None,
-                "metrics": {h * 10 + i: {"loss": 0.0} for i in range(len(pairs))}, "bytes_up": 0,
-                "dtypes": {"w": torch.float32}, "seconds": 0.0}
+    agg = WeightedMean()
+
+    def host(h, pairs):  # the host's half: fold each client's upload into the host's partial
+        partial = agg.start()
+        for i, (w, n) in enumerate(pairs):
+            agg.add(partial, h * 10 + i, Upload({"w": w}, float(n)))
+        return {"host": h, "partial": partial, "personal": None, "metrics": {h * 10 + i: {"loss": 0.0} for i in
+                range(len(pairs))}, "bytes_up": 0, "seconds": 0.0}
 
     class Fake:  # the Server's aggregation path only needs method + state
-        pass
+        def server_metrics(self, state):
+            return {}
 
     srv = Fake()
     srv.method = FedAvg(FedAvg.Hparams(), None)

@@ -9,7 +9,8 @@ from torch import nn
 
 from raysim.config import TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, Upload, Uploads
+from raysim.aggregation import AllUploads
+from raysim.contract import ClientContext, Upload
 from raysim.methods.csac import (CSAC, CSACHparams, FeatureTaps, Projections, attention_scores, attention_weights,
                                  default_layers, fuse, fusion_weights, mk_mmd, mk_mmd_pairs, projection_conv)
 from raysim.models import build
@@ -84,7 +85,7 @@ def test_aggregate_uses_every_upload_not_the_sample_weights():
     state = {"global": {"t": torch.zeros(1)}}
     each = {c: Upload({"t": torch.tensor([v])}, weight=w) for c, v, w in ((0, 0.0, 1.0), (1, 1.0, 100.0),
                                                                          (2, 5.0, 1.0))}
-    new = m.aggregate(state, Uploads(mean=None, total_weight=102.0, clients=[0, 1, 2], each=each), 1)
+    new = m.aggregate(state, AllUploads(each), 1)
     assert new["global"]["t"].item() == pytest.approx(16 / 6, abs=1e-6)
     assert new["fusion_weights"]["weights"]["t"].tolist() == pytest.approx([2 / 6, 1 / 6, 3 / 6])
     assert state["global"]["t"].item() == 0.0  # the old state is not mutated
@@ -278,7 +279,7 @@ def federation(m, rounds, n_clients=3, epochs=1):
             up = m.local_update(ctx_for(m, model, srv, c, rnd, states[c], data[c], epochs))
             each[c] = Upload({k: v.detach().clone() for k, v in up.tensors.items()}, up.weight, up.extras,
                              up.metrics)
-        srv = m.aggregate(srv, Uploads(None, 30.0, list(each), each), rnd)
+        srv = m.aggregate(srv, AllUploads(each), rnd)
         history.append(each)
     return srv, states, history, data
 
@@ -351,7 +352,7 @@ def test_calibration_step_matches_eq_11_by_hand():
     gen_copy = torch.Generator().manual_seed(200)
     up = m.local_update(ctx)
     # rebuild by hand what the step saw
-    from raysim.methods.csac import _build_projections
+    from raysim.methods.csac.method import _build_projections
     model.load_state_dict(srv["global"])
     model.train()
     ref = tiny_net()
@@ -417,8 +418,9 @@ def test_bad_hyperparameters(bad):
         CSAC.hparams_from(bad, prefix="hp.csac")
 
 
-def test_layers_from_a_comma_string_and_unknown_layer():
-    assert CSACHparams(layers="features.pool1, features.pool2").layers == ("features.pool1", "features.pool2")
+def test_layers_from_a_list_and_unknown_layer():
+    assert CSAC.hparams_from({"layers": ["features.pool1", "features.pool2"]}).layers == ("features.pool1",
+                                                                                        "features.pool2")
     m = method(stage1_epochs=1, layers=("features.nowhere",))
     with pytest.raises(UserError, match="no module"):
         federation(m, rounds=2, n_clients=1)
@@ -463,13 +465,13 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
     for rnd in (1, 2, 3):
         res = host.train_round(rnd, [m.broadcast(srv, rnd)], clients)
         assert all(res["metrics"][c]["stage"] == (1 if rnd == 1 else 2) for c in clients)
-        srv = m.aggregate(srv, Uploads(None, res["weight"], clients, res["each"]), rnd)
+        srv = m.aggregate(srv, m.aggregator.reduce([res["partial"]]), rnd)
         assert host.store.spills > 0
-        now = {c: host.store.get(c)["reference"] for c in clients}
+        now = {c: host.store.get(c)["state"]["reference"] for c in clients}
         if refs is None:
             refs = now
             for c in clients:  # L^h is the stage-1 upload
-                assert all(torch.equal(refs[c][k], res["each"][c].tensors[k]) for k in refs[c])
+                assert all(torch.equal(refs[c][k], res["partial"][c].tensors[k]) for k in refs[c])
         for c in clients:
             assert all(torch.equal(refs[c][k], now[c][k]) for k in refs[c])
     out = host.evaluate(3, [m.broadcast(srv, 3)], {3: ["test"]}, "lodo")

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
+from raysim.aggregation import AllUploads, weighted_mean
+from raysim.contract import ClientContext, Setup, Upload
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, Setup, Upload, Uploads
-from raysim.methods.dapperfl import (DapperFL, RepresentationTap, apply_masks, assign_tiers, dar_term,
-                                     footprint_table, fuse, fusion_factor, layer_roles, local_objective, num_pruned,
-                                     prune_masks, recover, tier_counts, weighted_mean)
+from raysim.methods.dapperfl import (DapperFL, RepresentationTap, apply_masks, dar_term, footprint_table, fuse,
+                                     fusion_factor, layer_roles, local_objective, num_pruned, prune_masks, recover)
+from raysim.profiles import assign_levels, level_counts
 from raysim.models.base import Net
 
 
@@ -67,6 +68,7 @@ class FakeData:
         self.x = torch.randn(n, 3, 6, 6, generator=g)
         self.y = torch.randint(0, 3, (n,), generator=g)
         self.num_train = n
+        self.train = type("Split", (), {"labels": self.y.numpy()})()
 
     def batches(self, batch_size, generator, device, drop_last=False):
         order = torch.randperm(len(self.y), generator=generator)
@@ -289,37 +291,37 @@ def test_aggregation_fills_pruned_slots_from_the_previous_global_model():
     # Eq. 6: A -> [1, 20, 3, 40], B -> [5, 6, 30, 40]; Eq. 7: (1 * A + 3 * B) / 4
     assert torch.equal(recover(a.tensors, a.extras["masks"], prev)["w"], torch.tensor([1.0, 20.0, 3.0, 40.0]))
     m = DapperFL(DapperFL.Hparams(), setup(2))
-    new = m.aggregate({"global": prev}, Uploads(mean=None, total_weight=4, clients=[0, 1], each={0: a, 1: b}), 1)
+    new = m.aggregate({"global": prev}, AllUploads({0: a, 1: b}), 1)
     assert torch.allclose(new["global"]["w"], torch.tensor([4.0, 9.5, 23.25, 40.0]))
     assert torch.allclose(new["global"]["b"], torch.tensor([5.0]))  # (2 + 18) / 4: unmasked, as uploaded
     assert new["global"]["n"].dtype == torch.int64 and int(new["global"]["n"]) == 7  # (4 + 24) / 4
     assert torch.equal(prev["w"], torch.tensor([10.0, 20.0, 30.0, 40.0]))  # the old state is untouched
     # the official code's zero-fill: (1 * [1, 0, 3, 0] + 3 * [5, 6, 0, 0]) / 4
     z = DapperFL(DapperFL.hparams_from({"official_compat": True}), setup(2))
-    new = z.aggregate({"global": prev}, Uploads(None, 4, [0, 1], {0: a, 1: b}), 1)
+    new = z.aggregate({"global": prev}, AllUploads({0: a, 1: b}), 1)
     assert torch.allclose(new["global"]["w"], torch.tensor([4.0, 4.5, 0.75, 0.0]))
 
 
 def test_weighted_mean_by_hand():
-    out = weighted_mean([({"w": torch.tensor([1.0])}, 2.0), ({"w": torch.tensor([4.0])}, 1.0)], {"w": torch.zeros(1)})
+    out = weighted_mean([({"w": torch.tensor([1.0])}, 2.0), ({"w": torch.tensor([4.0])}, 1.0)], like={"w": torch.zeros(1)})
     assert torch.allclose(out["w"], torch.tensor([2.0]))  # (2 * 1 + 1 * 4) / 3
 
 
 # ----------------------------------------------------------------------------- tiers
 
 def test_tiers_five_levels_two_clients_each():
-    assert assign_tiers(10, 5, how="modulo") == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]  # the code's k mod 5
-    seeded = assign_tiers(10, 5, how="seeded", seed=0)
+    assert assign_levels(10, 5, how="round_robin") == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]  # the code's k mod 5
+    seeded = assign_levels(10, 5, how="random", seed=0)
     assert sorted(seeded) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
-    assert seeded == assign_tiers(10, 5, how="seeded", seed=0)
-    assert any(assign_tiers(10, 5, seed=s) != seeded for s in (1, 2, 3))
-    assert tier_counts(12, None, 5) == [3, 3, 2, 2, 2]  # 2.4 each, largest remainder to the first
-    assert tier_counts(10, (1, 0, 0, 0, 3), 5) == [3, 0, 0, 0, 7]  # 2.5 / 7.5: tie to the lower tier
+    assert seeded == assign_levels(10, 5, how="random", seed=0)
+    assert any(assign_levels(10, 5, how="random", seed=s) != seeded for s in (1, 2, 3))
+    assert level_counts(12, None, 5) == [3, 3, 2, 2, 2]  # 2.4 each, largest remainder to the first
+    assert level_counts(10, (1, 0, 0, 0, 3), 5) == [3, 0, 0, 0, 7]  # 2.5 / 7.5: tie to the lower tier
     m = DapperFL(DapperFL.hparams_from({"tier_assignment": "modulo"}), setup())
     assert [m.client_rho(c) for c in range(10)] == [0.0, 0.2, 0.4, 0.6, 0.8] * 2
     m = DapperFL(DapperFL.hparams_from({"rho": 0.6}), setup())
     assert {m.client_rho(c) for c in range(10)} == {0.6}
-    m = DapperFL(DapperFL.Hparams(), setup(2, client_profiles=({"rho": 0.3}, {"tier": 4})))
+    m = DapperFL(DapperFL.Hparams(), setup(2, client_profiles=({"tier": 0, "rho": 0.3}, {"tier": 4})))
     assert (m.client_rho(0), m.client_rho(1)) == (0.3, 0.8)
 
 
@@ -424,7 +426,7 @@ def test_without_pruning_fusion_and_dar_it_is_fedavg():
         assert a.extras["masks"] == {} and a.tensors.keys() == b.tensors.keys()
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
     prev = {k: v.clone() for k, v in tiny_net().state_dict().items()}
-    new = d.aggregate({"global": prev}, Uploads(None, 16, [0, 1], dict(enumerate(ups["dapperfl"]))), 2)["global"]
+    new = d.aggregate({"global": prev}, AllUploads(dict(enumerate(ups["dapperfl"]))), 2)["global"]
     mean = {k: (ups["fedavg"][0].tensors[k].double() * 8 + ups["fedavg"][1].tensors[k].double() * 8) / 16 for k in prev}
     for k in prev:
         if prev[k].is_floating_point():
@@ -469,7 +471,7 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
         up = m.local_update(ctx)
         for k, mask in up.extras["masks"].items():  # the upload is still the pruned model w * M
             assert torch.count_nonzero(up.tensors[k][~mask]) == 0
-        new = m.aggregate({"global": prev}, Uploads(None, 8, [0], {0: up}), 2)["global"]
+        new = m.aggregate({"global": prev}, AllUploads({0: up}), 2)["global"]
         glob = tiny_net()
         glob.load_state_dict(new)
         expected = bn_input_stats(copy.deepcopy(glob), data.x)

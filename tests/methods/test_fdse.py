@@ -10,10 +10,12 @@ from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, Setup, Space, Upload, Uploads
+from raysim.aggregation import AllUploads
+from raysim.contract import ClientContext, Setup, Upload
+from raysim.hparams import Space
 from raysim.methods.fdse import (FDSE, ConsistencyRegularizer, FDSEHparams, batch_stats, consensus_update,
                                  consistency_term, key_role, layer_weights, min_norm_simplex, similarity_mix)
-from raysim.methods.fdse_layers import DSEConv, DSELinear, decompose, dse_blocks
+from raysim.methods.fdse.layers import DSEConv, DSELinear, decompose, dse_blocks
 from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net
 from raysim.runtime.host import tensors_nbytes
@@ -377,7 +379,7 @@ def test_federation_round_trip_bn_dse_stats_never_reach_the_server():
             assert set(clients[c]["personal"]) == local_keys  # kept on the client
             assert ("con_loss" in up.metrics) == (rnd > 1)  # L_Con skipped in round 1
             assert up.metrics["steps"] == 2  # 9 samples, batch 4: the last batch of 1 is skipped
-        srv = m.aggregate(srv, Uploads(mean=None, total_weight=18, clients=[0, 1], each=ups), rnd)
+        srv = m.aggregate(srv, AllUploads(ups), rnd)
         assert no_local(srv["global"]) and all(no_local(v) for v in srv["dse"].values())
         for c in (0, 1):
             assert no_local(m.client_payload(srv, c, rnd + 1)["dse"])
@@ -399,7 +401,7 @@ def test_aggregate_by_hand_on_two_clients():
            1: Upload({"features.b.dfe.weight": torch.tensor([0.0, 4.0]),
                       "features.b.bn_dfe.running_mean": torch.tensor([3.0, 5.0]),
                       "features.b.cheap.weight": torch.tensor([0.0, 2.0])}, weight=9.0)}
-    new = m.aggregate(srv, Uploads(None, 10.0, [0, 1], ups), 1)
+    new = m.aggregate(srv, AllUploads(ups), 1)
     assert torch.allclose(new["global"]["features.b.dfe.weight"], torch.tensor([1.5, 1.5]))  # Eq. 8
     assert torch.equal(new["global"]["features.b.bn_dfe.running_mean"], torch.tensor([2.0, 4.0]))  # unweighted
     e = math.e
@@ -410,7 +412,7 @@ def test_aggregate_by_hand_on_two_clients():
     # each client keeps e / (e + 1) of its own DSE (the attention's diagonal), logged by the server
     assert m.server_metrics(new) == {"dse_self_weight": pytest.approx(e / (e + 1))}
     # ablations: plain (n_k-weighted) mean for theta_u, purely local DSE
-    abl = method(shared_agg="mean", dse_agg="local").aggregate(srv, Uploads(None, 10.0, [0, 1], ups), 1)
+    abl = method(shared_agg="mean", dse_agg="local").aggregate(srv, AllUploads(ups), 1)
     assert torch.allclose(abl["global"]["features.b.dfe.weight"], torch.tensor([0.2, 3.6]))
     assert torch.equal(abl["dse"][1]["features.b.cheap.weight"], torch.tensor([0.0, 2.0]))
     assert srv["dse"] == {}  # the previous state is not mutated
@@ -445,7 +447,7 @@ def con_loss_on(model, x, hp):
 
 
 def test_unseen_client_model_is_the_mean_dse_and_alg3_adapts_only_the_dse():
-    from raysim.methods.base import ClientData, UnseenClient
+    from raysim.contract import ClientData, UnseenClient
     torch.manual_seed(0)
     model = fdse_tiny()
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -455,7 +457,7 @@ def test_unseen_client_model_is_the_mean_dse_and_alg3_adapts_only_the_dse():
     data = {c: FakeData(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
     for rnd in (1, 2):
         ups = {c: client_step(m, model, srv, c, rnd, clients[c], data[c]) for c in (0, 1)}
-        srv = m.aggregate(srv, Uploads(mean=None, total_weight=18, clients=[0, 1], each=ups), rnd)
+        srv = m.aggregate(srv, AllUploads(ups), rnd)
     personal_mean = {k: (clients[0]["personal"][k].double() + clients[1]["personal"][k].double()).div(2)
                      .to(init[k].dtype) for k in clients[0]["personal"] if init[k].is_floating_point()}
     payload = {**m.eval_payload(srv, 2), "personal_mean": personal_mean}

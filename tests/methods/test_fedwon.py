@@ -9,7 +9,7 @@ from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, ClientData, Setup
+from raysim.contract import ClientContext, ClientData, Setup
 from raysim.methods.fedwon import (FedWon, WSConv2d, adaptive_clip_, agc_parameters, unitwise_norm,
                                    ws_conv_factory)
 from raysim.models import is_norm
@@ -193,7 +193,7 @@ def test_no_normalization_remains_and_every_conv_is_wsconv(name, size, params, g
 
 
 def test_table6_literal_and_ablation_variants():
-    literal = fedwon("alexnet", size=96, hp={"ws_plain_convs": "3"}, hidden=16).build_model()
+    literal = fedwon("alexnet", size=96, hp={"ws_plain_convs": [3]}, hidden=16).build_model()
     assert type(literal.features.conv3) is nn.Conv2d and isinstance(literal.features.conv4, WSConv2d)
     plain = fedwon(hp={"ws": False}).build_model()  # "FedAvg w/o BN"
     assert not any(isinstance(m, WSConv2d) or is_norm(m) for m in plain.modules())

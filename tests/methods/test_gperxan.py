@@ -11,7 +11,8 @@ from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, ClientData, Setup, Uploads
+from raysim.aggregation import Mean
+from raysim.contract import ClientContext, ClientData, Setup
 from raysim.methods.gperxan import GFedAvg, GPerXAN
 from raysim.methods.gperxan_layers import IBN, XAN, bn_side_keys, place, select
 from raysim.models.base import Net
@@ -235,7 +236,7 @@ def federate_one_round(m, rounds=1):
             for k in uploads[0].tensors}  # the engine's n_k-weighted mean, by hand
     mean = {k: (v.round().long() if not uploads[0].tensors[k].is_floating_point() else v.float())
             for k, v in mean.items()}
-    server = m.aggregate(server, Uploads(mean=mean, total_weight=16, clients=[0, 1]), 1)
+    server = m.aggregate(server, Mean(mean, 16, [0, 1]), 1)
     return model, server, states, uploads, mean
 
 

@@ -5,7 +5,8 @@ from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import ClientContext, ClientData, Setup, load_tensors
+from raysim.contract import ClientContext, ClientData, Setup
+from raysim.tensors import load_tensors
 from raysim.methods.normbaselines import FedAvgGN, FedAvgLN, FixBN, SiloBN, bn_stat_keys, frozen_bn
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from raysim.config import ModelConfig, TrainConfig
 from raysim.errors import UserError
-from raysim.methods.base import Setup
+from raysim.contract import Setup
 from raysim.methods.fedbn import FedBN
 from raysim.methods.fedwon import FedWon, WSConv2d
 from raysim.methods.gperxan import GPerXAN

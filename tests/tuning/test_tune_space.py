@@ -6,7 +6,7 @@ import pytest
 
 from raysim.errors import UserError
 from raysim.methods import registry
-from raysim.methods.base import Space
+from raysim.hparams import Space
 from raysim.tuning import space as sp
 
 

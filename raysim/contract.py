@@ -1,71 +1,35 @@
 """The method contract: what an FL method tells the engine, and what the engine hands it.
 
-A method is one class. Read top to bottom it is the paper's algorithm box:
+A method is one class (``methods/README.md`` documents every hook and who uses it). Read top to
+bottom it is the paper's algorithm box:
 
-* ``Hparams``           its hyperparameters (dataclass, paper defaults, declared search space);
+* ``Hparams``           its hyperparameters (:mod:`raysim.hparams`: paper defaults, allowed values, search space);
 * ``build_model``       how it changes the network (norm swap, decomposed convs, ...);
 * ``personal_keys``     which state-dict entries never leave the client;
 * ``init_server``       the server's state (the global tensors, plus anything else it keeps);
 * ``broadcast`` / ``client_payload``  what every client / one client receives;
 * ``local_update``      the client step, on the client's model and its persistent ``state``;
-* ``aggregate``         the server step over the round's uploads.
+* ``aggregator`` + ``aggregate``  how uploads are combined (:mod:`raysim.aggregation`) and the server step.
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
-client, keeps ``ctx.state`` for that client between rounds (spilling it to disk when idle), and
-hands ``aggregate`` either the weighted mean of the uploads (``aggregation = "mean"``: summed
-per host, cheap) or every upload by client id (``aggregation = "per_client"``: FDSE, CSAC,
-DapperFL need them).
+client, keeps ``ctx.state`` for that client between rounds (spilling it to disk when idle), folds
+the uploads with the method's aggregator and hands the result to ``aggregate``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.aggregation import Aggregator, WeightedMean
+from raysim.errors import TrainingDiverged
+from raysim.hparams import Hparams
+from raysim.tensors import Tensors, load_tensors
 
-Tensors = dict[str, torch.Tensor]
-
-
-# ----------------------------------------------------------------------------- hyperparameters
-
-@dataclass(frozen=True)
-class Space:
-    """A search range for one hyperparameter (read by tuning/ to build Tune/Optuna spaces)."""
-    kind: str  # "loguniform" | "uniform" | "int" | "choice"
-    low: float | None = None
-    high: float | None = None
-    choices: tuple | None = None
-
-    @staticmethod
-    def log(low: float, high: float) -> "Space":
-        return Space("loguniform", low, high)
-
-    @staticmethod
-    def uniform(low: float, high: float) -> "Space":
-        return Space("uniform", low, high)
-
-    @staticmethod
-    def integer(low: int, high: int) -> "Space":
-        return Space("int", low, high)
-
-    @staticmethod
-    def choice(*options) -> "Space":
-        return Space("choice", choices=tuple(options))
-
-
-@dataclass(frozen=True)
-class Hparams:
-    """Base of every method's hyperparameters; subclasses add fields with the paper's defaults."""
-
-    @classmethod
-    def search_space(cls) -> dict[str, Space]:
-        return {}
+_TRAIN_MAX_STEPS = object()  # ClientContext.batches: "train.max_steps"
 
 
 # ----------------------------------------------------------------------------- what flows
@@ -75,31 +39,22 @@ class Setup:
     """What a method knows about the federation it runs in (same on the server and every host)."""
     num_classes: int
     image_shape: tuple[int, int, int]
-    num_clients: int
+    num_clients: int  # training clients (unseen clients are not counted)
     client_domains: tuple[str, ...]  # domain of each client id
     model: Any  # raysim.config.ModelConfig
     train: Any  # raysim.config.TrainConfig
     rounds: int
     seed: int
-    client_profiles: tuple[dict, ...] = ()  # per-client system profile (e.g. DapperFL's tier)
+    client_profiles: tuple[dict, ...] = ()  # per-client system profile (clients.profiles); () without
 
 
 @dataclass
 class Upload:
     """What one client sends back after its local step."""
-    tensors: Tensors  # usually the trained shared tensors
+    tensors: Tensors  # usually the trained shared tensors: folded by the method's aggregator
     weight: float  # aggregation weight (n_k by default, see train.weighting)
-    extras: dict = field(default_factory=dict)  # anything else the server needs (masks, stats)
+    extras: dict = field(default_factory=dict)  # anything else the server needs (masks, statistics, prototypes)
     metrics: dict = field(default_factory=dict)  # e.g. {"loss": mean training loss}
-
-
-@dataclass
-class Uploads:
-    """The round's uploads as the server sees them."""
-    mean: Tensors | None  # weighted mean of Upload.tensors over the round's clients
-    total_weight: float
-    clients: list[int]  # the round's client ids, ascending
-    each: dict[int, Upload] | None = None  # every client's upload (aggregation == "per_client")
 
 
 @dataclass
@@ -118,7 +73,15 @@ class ClientData:
 
 @dataclass
 class ClientContext:
-    """Everything one client step sees. ``state`` is the client's persistent store."""
+    """Everything one client step sees, and the primitives its local loop is written with:
+
+        opt = ctx.optimizer()
+        for x, y in ctx.batches():
+            ctx.step(F.cross_entropy(ctx.model(x), y) + extra_term, opt)
+        return self.upload(ctx, ctx.stats())
+
+    The running loss stays on the device (float64) and is checked for NaN once per epoch, so a
+    step never waits for the device."""
     client_id: int
     domain: str
     round: int  # 1-based
@@ -130,7 +93,65 @@ class ClientContext:
     lr: float  # this round's learning rate (after lr_decay)
     generator: torch.Generator  # keyed by (seed, round, client, "train"): the only randomness
     device: torch.device
-    profile: dict = field(default_factory=dict)
+    profile: dict = field(default_factory=dict)  # this client's system profile (clients.profiles)
+    _loss_sum: torch.Tensor | None = field(default=None, repr=False)
+    _steps: int = field(default=0, repr=False)
+
+    def optimizer(self, params=None, lr: float | None = None) -> torch.optim.Optimizer:
+        """SGD over ``params`` (the model's) at this round's lr (or ``lr``), with train.momentum
+        and train.weight_decay."""
+        t = self.train
+        return torch.optim.SGD(self.model.parameters() if params is None else params,
+                               lr=self.lr if lr is None else lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    def batches(self, epochs: int | None = None, max_steps=_TRAIN_MAX_STEPS,
+                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The model in train mode, then ``epochs`` (train.epochs) shuffled passes over the
+        client's training data, ending once ``max_steps`` (train.max_steps) steps were taken while
+        iterating. The running loss is checked for NaN after every pass."""
+        cap = self.train.max_steps if max_steps is _TRAIN_MAX_STEPS else max_steps
+        start = self._steps
+        self.model.train()
+        for _ in range(self.train.epochs if epochs is None else epochs):
+            it = iter(self.data.batches(self.train.batch_size, self.generator, self.device, drop_last=drop_last))
+            while not (cap and self._steps - start >= cap):  # checked before the next batch is drawn
+                batch = next(it, None)
+                if batch is None:
+                    break
+                yield batch
+            self.check_finite()
+            if cap and self._steps - start >= cap:
+                return
+
+    def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None) -> None:
+        """Zero-grad, backward, clip the gradient norm at train.grad_clip (over ``clip``, default
+        the model's parameters), step every optimizer, and add the loss to the running sum."""
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.train.grad_clip:
+            nn.utils.clip_grad_norm_(self.model.parameters() if clip is None else clip, self.train.grad_clip)
+        for opt in optimizers:
+            opt.step()
+        value = loss.detach().to(torch.float64)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far this round."""
+        return self._steps
+
+    def check_finite(self) -> float:
+        """The loss summed over the steps so far (one device sync); TrainingDiverged if not finite."""
+        total = 0.0 if self._loss_sum is None else float(self._loss_sum)
+        if not math.isfinite(total):
+            raise TrainingDiverged(self.client_id, self.domain, self.round, total)
+        return total
+
+    def stats(self) -> dict:
+        """``{"loss": mean loss over the round's steps, "steps": n}``."""
+        return {"loss": self.check_finite() / max(self._steps, 1), "steps": self._steps}
 
 
 @dataclass
@@ -157,27 +178,17 @@ class Method:
     """FedAvg semantics by default; a method overrides only what its paper changes."""
     name: ClassVar[str] = "base"
     Hparams: ClassVar[type[Hparams]] = Hparams
-    aggregation: ClassVar[str] = "mean"  # "mean" | "per_client"
+    aggregator: ClassVar[Aggregator] = WeightedMean()
     paper: ClassVar[str] = ""
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp
         self.setup = setup
 
-    # ---- hyperparameters ------------------------------------------------------------------
     @classmethod
     def hparams_from(cls, values: dict | None, prefix: str = "hp") -> Hparams:
-        """Typed construction of Hparams from a user dict (config ``hp.<method>``)."""
-        values = dict(values or {})
-        fields = {f.name: f for f in dataclasses.fields(cls.Hparams)}
-        hints = typing.get_type_hints(cls.Hparams)
-        for key, value in values.items():
-            if key not in fields:
-                valid = ", ".join(fields) or "(none)"
-                raise UserError(f"unknown hyperparameter '{prefix}.{key}' for method {cls.name}; "
-                                f"valid: {valid}")
-            values[key] = _check_hp(value, hints[key], f"{prefix}.{key}")
-        return cls.Hparams(**values)
+        """Typed, checked Hparams from a user dict (config ``hp.<method>``)."""
+        return cls.Hparams.from_dict(values, prefix, cls.name)
 
     # ---- model ----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -201,22 +212,19 @@ class Method:
         """The one payload every client of the round receives (``ray.put`` once)."""
         return {"global": state["global"]}
 
-    def eval_payload(self, state: dict, round: int) -> dict:
-        """What evaluation after round ``round``'s aggregation receives (gPerXAN adds the averaged
-        BN sides it never broadcasts for training)."""
-        return self.broadcast(state, round)
-
     def client_payload(self, state: dict, client_id: int, round: int) -> dict | None:
         """A payload for one client only (FDSE's personalised mix); None for most methods."""
         return None
 
-    def aggregate(self, state: dict, uploads: Uploads, round: int) -> dict:
-        """FedAvg: the weighted mean of the shared tensors."""
-        if uploads.mean is None:
-            return state
-        new_global = dict(state["global"])
-        new_global.update(uploads.mean)
-        return {**state, "global": new_global}
+    def eval_payload(self, state: dict, round: int) -> dict:
+        """What evaluation after round ``round``'s aggregation receives (gPerXAN adds the averaged
+        BN sides it never broadcasts for training; FDSE the mean DSE mix)."""
+        return self.broadcast(state, round)
+
+    def aggregate(self, state: dict, uploads, round: int) -> dict:
+        """The server step over what ``aggregator`` reduced the round's uploads to; FedAvg: the
+        global tensors become the weighted mean (:class:`raysim.aggregation.Mean`)."""
+        return {**state, "global": {**state["global"], **uploads.mean}}
 
     def server_metrics(self, state: dict) -> dict[str, float]:
         """Numbers about the server's state after a round's aggregation, logged as federation rows
@@ -235,9 +243,9 @@ class Method:
         load_tensors(model, state.get("personal", {}))
 
     def local_update(self, ctx: ClientContext) -> Upload:
+        """E epochs of SGD on the cross-entropy (:func:`raysim.training.train_epochs`)."""
         from raysim.training import train_epochs
-        stats = train_epochs(ctx)
-        return self.upload(ctx, stats)
+        return self.upload(ctx, train_epochs(ctx))
 
     def upload(self, ctx: ClientContext, stats: dict) -> Upload:
         """Standard upload: keep personal tensors in ``state``, send the shared ones."""
@@ -247,6 +255,7 @@ class Method:
         shared = {k: v.detach() for k, v in sd.items() if k not in personal}
         return Upload(tensors=shared, weight=client_weight(ctx), metrics=stats)
 
+    # ---- evaluation -----------------------------------------------------------------------
     def eval_model(self, model: nn.Module, payload: dict, state: dict) -> nn.Module:
         """The model a client is evaluated with (personalised protocol)."""
         self.load_client_model(model, payload, state)
@@ -274,49 +283,5 @@ class Method:
         return ""
 
 
-# ----------------------------------------------------------------------------- helpers
-
-def load_tensors(model: nn.Module, tensors: Tensors) -> None:
-    """Copy named tensors into ``model``'s parameters and buffers in place (no re-allocation)."""
-    if not tensors:
-        return
-    own = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for k, v in tensors.items():
-            dst = own[k]
-            dst.copy_(v.to(dst.device, dst.dtype) if v.device != dst.device or v.dtype != dst.dtype else v)
-
-
 def client_weight(ctx: ClientContext) -> float:
     return 1.0 if ctx.train.weighting == "uniform" else float(ctx.data.num_train)
-
-
-def bn_keys(model: nn.Module) -> set[str]:
-    """State-dict keys of every batch-norm layer (weights, biases, running stats)."""
-    keys = set()
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            for k in mod.state_dict().keys():
-                keys.add(f"{name}.{k}" if name else k)
-    return keys
-
-
-def _check_hp(value, tp, key):
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(float(value)):
-            raise UserError(f"hyperparameter '{key}' = {value!r}: expected a finite number")
-        return float(value)
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is str and isinstance(value, str):
-        return value
-    if tp not in (float, int, bool, str):
-        return value
-    raise UserError(f"hyperparameter '{key}' = {value!r}: expected {tp.__name__}")

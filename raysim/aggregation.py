@@ -1,0 +1,148 @@
+"""Aggregation as an object: the part that runs on a host (fold a client's upload into the host's
+partial result) and the part that runs on the server (reduce the hosts' partials).
+
+A method declares its aggregator (``Method.aggregator``) and its server step (``aggregate``)
+receives what the aggregator reduced to:
+
+* :class:`WeightedMean` (FedAvg and most methods) -> :class:`Mean`: the weight-weighted mean of
+  the round's uploaded tensors, summed in float64 on each host (a float32 value times an integer
+  weight is exact in float64), so 1 host or 8 give the same float32 result; plus every client's
+  ``extras`` (small non-model statistics such as class prototypes) by client id.
+* :class:`KeepAll` (FDSE, CSAC, DapperFL) -> :class:`AllUploads`: every client's upload.
+
+:func:`weighted_mean` is the one float64 weighted mean: methods whose own server step averages
+(DapperFL's Eq. 7, CSAC's fusion, FDSE's statistics) call it rather than writing their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from raysim.tensors import Tensors
+
+
+# ----------------------------------------------------------------------------- the weighted mean
+
+def accumulate(sums: dict[str, torch.Tensor], tensors: Tensors, weight: float, keys=None) -> None:
+    """``sums[k] += weight * tensors[k]`` in float64 on the CPU."""
+    for k in (tensors if keys is None else keys):
+        v = tensors[k].detach().to("cpu", torch.float64) * float(weight)
+        sums[k] = sums[k] + v if k in sums else v
+
+
+def cast_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 result back to the tensor's own dtype (integers rounded)."""
+    return value.to(dtype) if dtype.is_floating_point else value.round().to(dtype)
+
+
+def weighted_mean(pairs: Iterable[tuple[Tensors, float]], like: Tensors | None = None,
+                  total: float | None = None) -> Tensors:
+    """sum_i w_i t_i / sum_i w_i over ``pairs`` of (tensors, w_i), streamed one at a time, in
+    float64, cast back to each entry's dtype (``like``'s, else the first's; integers rounded).
+    Only ``like``'s keys are averaged when it is given. ``total``: divide by it instead of the sum
+    of the weights (weights already normalised)."""
+    sums: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {k: v.dtype for k, v in like.items()} if like is not None else {}
+    weight = 0.0
+    for tensors, w in pairs:
+        weight += float(w)
+        accumulate(sums, tensors, w, keys=None if like is None else like.keys())
+        for k, v in tensors.items():
+            dtypes.setdefault(k, v.dtype)
+    denominator = weight if total is None else total
+    return {k: cast_like(s / denominator if denominator > 0 else s, dtypes[k]) for k, s in sums.items()}
+
+
+# ----------------------------------------------------------------------------- what the server receives
+
+@dataclass
+class Mean:
+    """The round's uploads as :class:`WeightedMean` reduces them."""
+    mean: Tensors  # weighted mean of Upload.tensors over the round's clients
+    total_weight: float
+    clients: list[int]  # the round's client ids, ascending
+    extras: dict[int, dict] = field(default_factory=dict)  # each client's Upload.extras (if any)
+
+
+@dataclass
+class AllUploads:
+    """The round's uploads as :class:`KeepAll` reduces them: every client's, by ascending id."""
+    each: dict  # client id -> Upload
+
+    @property
+    def clients(self) -> list[int]:
+        return list(self.each)
+
+    @property
+    def total_weight(self) -> float:
+        return float(sum(u.weight for u in self.each.values()))
+
+
+# ----------------------------------------------------------------------------- aggregators
+
+class Aggregator:
+    """``start()`` a host's partial, ``add`` each client's upload to it (on the host), ``reduce``
+    the hosts' partials (on the server, in host order)."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def add(self, partial, client_id: int, upload) -> None:
+        raise NotImplementedError
+
+    def reduce(self, partials: list):
+        raise NotImplementedError
+
+
+@dataclass
+class MeanPartial:
+    sums: dict = field(default_factory=dict)  # float64 weighted sums
+    weight: float = 0.0
+    dtypes: dict = field(default_factory=dict)
+    clients: list = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
+
+
+class WeightedMean(Aggregator):
+    """n_k-weighted FedAvg mean (the weight is ``Upload.weight``)."""
+
+    def start(self) -> MeanPartial:
+        return MeanPartial()
+
+    def add(self, partial: MeanPartial, client_id: int, upload) -> None:
+        accumulate(partial.sums, upload.tensors, upload.weight)
+        partial.weight += upload.weight
+        for k, v in upload.tensors.items():
+            partial.dtypes.setdefault(k, v.dtype)
+        partial.clients.append(client_id)
+        if upload.extras:
+            partial.extras[client_id] = upload.extras
+
+    def reduce(self, partials: list[MeanPartial]) -> Mean:
+        sums: dict[str, torch.Tensor] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for p in partials:
+            for k, v in p.sums.items():
+                sums[k] = sums[k] + v if k in sums else v.clone()
+            dtypes.update(p.dtypes)
+        total = sum(p.weight for p in partials)
+        mean = {k: cast_like(v / total if total > 0 else v, dtypes[k]) for k, v in sums.items()}
+        extras = dict(sorted(((c, e) for p in partials for c, e in p.extras.items()), key=lambda ce: ce[0]))
+        return Mean(mean, total, sorted(c for p in partials for c in p.clients), extras)
+
+
+class KeepAll(Aggregator):
+    """Every upload, for methods whose server step needs each client's tensors."""
+
+    def start(self) -> dict:
+        return {}
+
+    def add(self, partial: dict, client_id: int, upload) -> None:
+        partial[client_id] = dataclasses.replace(
+            upload, tensors={k: v.detach().cpu().clone() for k, v in upload.tensors.items()})
+
+    def reduce(self, partials: list[dict]) -> AllUploads:
+        return AllUploads(dict(sorted(((c, u) for p in partials for c, u in p.items()), key=lambda cu: cu[0])))
