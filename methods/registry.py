@@ -25,8 +25,15 @@ _METHODS = {
 }
 
 
+def register(name: str, target: str | type) -> None:
+    """Add a method: ``"module:Class"`` (importable wherever the run's actors start), or the class
+    itself (this process only: in-process use and tests)."""
+    _METHODS[name] = target
+
+
 def _installed(name: str) -> bool:
-    return importlib.util.find_spec(_METHODS[name].split(":")[0]) is not None
+    target = _METHODS[name]
+    return not isinstance(target, str) or importlib.util.find_spec(target.split(":")[0]) is not None
 
 
 def names() -> list[str]:
@@ -37,5 +44,8 @@ def names() -> list[str]:
 def get(name: str):
     if not isinstance(name, str) or name not in _METHODS or not _installed(name):
         raise UserError(f"unknown method {name!r}; available: {', '.join(names())}")
-    module, cls = _METHODS[name].split(":")
+    target = _METHODS[name]
+    if not isinstance(target, str):
+        return target
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)

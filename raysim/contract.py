@@ -124,15 +124,10 @@ class ClientContext:
                 return
 
     def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None) -> None:
-        """Zero-grad, backward, clip the gradient norm at train.grad_clip (over ``clip``, default
-        the model's parameters), step every optimizer, and add the loss to the running sum."""
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.train.grad_clip:
-            nn.utils.clip_grad_norm_(self.model.parameters() if clip is None else clip, self.train.grad_clip)
-        for opt in optimizers:
-            opt.step()
+        """:func:`sgd_step` with the gradient norm clipped at train.grad_clip (over ``clip``,
+        default the model's parameters), then the loss added to the running sum."""
+        sgd_step(loss, *optimizers, clip=self.model.parameters() if clip is None else clip,
+                 max_norm=self.train.grad_clip)
         value = loss.detach().to(torch.float64)
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._steps += 1
@@ -152,6 +147,18 @@ class ClientContext:
     def stats(self) -> dict:
         """``{"loss": mean loss over the round's steps, "steps": n}``."""
         return {"loss": self.check_finite() / max(self._steps, 1), "steps": self._steps}
+
+
+def sgd_step(loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None, max_norm: float | None = None) -> None:
+    """Zero-grad, backward, clip the gradient norm of ``clip`` at ``max_norm`` (if both are
+    given), step every optimizer: the one optimisation step of every loop in raysim."""
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if max_norm and clip is not None:
+        nn.utils.clip_grad_norm_(clip, max_norm)
+    for opt in optimizers:
+        opt.step()
 
 
 @dataclass

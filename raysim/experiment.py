@@ -66,15 +66,16 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
 
 
 def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None,
-               show_seed: bool = False) -> FederationRun:
+               show_seed: bool = False, backend=None) -> FederationRun:
     """One federation with the driver's callbacks: metrics.parquet, a progress line, and
-    ``on_round(round, summary, evaluation or None)`` if given (Tune reports through it)."""
+    ``on_round(round, summary, evaluation or None)`` if given (Tune reports through it).
+    ``backend=raysim.runtime.backend.InProcess()`` runs it without Ray actors (debugging)."""
     holdout = (cfg.data.partition or {}).get("holdout")
     label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
     callbacks = [MetricsWriter(run_dir), ProgressCallback(cfg.rounds, label, progress)]
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))
-    return FederationRun(cfg, run_dir, callbacks)
+    return FederationRun(cfg, run_dir, callbacks, backend)
 
 
 class RoundFunction(Callback):

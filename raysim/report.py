@@ -353,19 +353,18 @@ def render(run_dir: str) -> str:
     for name, d in dirs.items():
         runs[name] = {}
         for seed, sd in seed_dirs(d).items():
-            rule = _select_rule(sd)
             holdouts = _holdout_dirs(sd)
             if holdouts:
                 lodo = True
                 runs[name][seed] = {}
-                for dom, hd in holdouts.items():
+                for dom, hd in holdouts.items():  # each federation's own config says its eval.select
                     df = _read(hd)
                     panels.setdefault(f"{name} / {dom}", []).append(df)
-                    runs[name][seed][dom] = summarize(df, name, rule)
+                    runs[name][seed][dom] = summarize(df, name, _select_rule(hd))
             else:
                 df = _read(sd)
                 panels.setdefault(name, []).append(df)
-                runs[name][seed] = summarize(df, name, rule)
+                runs[name][seed] = summarize(df, name, _select_rule(sd))
     if lodo:
         text = lodo_markdown(runs, title)
     else:

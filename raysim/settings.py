@@ -160,10 +160,8 @@ def build(cls, raw, prefix: str = "", what: str = "config key"):
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            if what == "hyperparameter":
-                raise UserError(f"unknown hyperparameter '{dotted}'; valid: {', '.join(names) or '(none)'}")
-            raise UserError(f"unknown config key '{dotted}'; valid keys here: {', '.join(names)}")
+        if key not in names:  # (hyperparameters: Hparams.from_dict names the method first)
+            raise UserError(f"unknown {what} '{dotted}'; valid keys here: {', '.join(names)}")
         kwargs[key] = coerce(value, hints[key], dotted, what)
     obj = cls(**kwargs)
     check(obj, prefix, what)

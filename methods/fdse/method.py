@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, Method, Upload, sgd_step
 from raysim.errors import UserError
 from raysim.hparams import Hparams, Space
 from raysim.methods.fdse.aggregation import consensus_update, similarity_attention
@@ -228,10 +228,7 @@ class FDSE(Method):
             for _ in range(hp.adapt_epochs):  # lines 2-9
                 for x in client.unlabeled_batches(hp.adapt_batch):
                     model(x)
-                    loss = reg.loss()
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
+                    sgd_step(reg.loss(), opt)
         finally:
             for h in handles:
                 h.remove()

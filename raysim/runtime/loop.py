@@ -17,7 +17,8 @@ from raysim import checkpoint
 from raysim.config import dump_yaml, host_layout
 from raysim.errors import RunFailed
 from raysim.metrics import MetricsLog
-from raysim.runtime.cluster import alive, first_line, ray_get, server_placement
+from raysim.runtime.backend import RayActors
+from raysim.runtime.cluster import first_line, owner_of
 from raysim.runtime.seeding import SERVER, rng_for
 
 MAX_HOST_RESTARTS = 3
@@ -51,9 +52,11 @@ class Callback:
 class FederationRun:
     """One federation of ``cfg`` (a single method, seed and held-out domain) in ``run_dir``."""
 
-    def __init__(self, cfg, run_dir: str, callbacks=()):
+    def __init__(self, cfg, run_dir: str, callbacks=(), backend=None):
+        """``backend``: where the server and hosts live (Ray actors by default; see runtime.backend)."""
         self.cfg, self.run_dir = cfg, run_dir
         self.callbacks = list(callbacks)
+        self.backend = backend or RayActors()
         self.server = None
         self.hosts, self.pg = [], None
         self._unawaited = []  # start() refs of hosts launched before the server was ready
@@ -62,21 +65,17 @@ class FederationRun:
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> MethodRun:
-        import ray
-        from raysim.runtime.server import Server
-
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         if not resume or not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
             dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
         t_start = time.perf_counter()
-        self.server = ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
-                                                 scheduling_strategy=server_placement()).remote(cfg)
+        self.server = self.backend.server(cfg)
         server_started = self.server.start.remote()
         round_seconds, last_eval, rnd = [], {}, 0
         try:
             self._launch_hosts_early()
-            self.info = ray_get(server_started)
+            self.info = self.backend.get(server_started)
             self.n = self.info["num_clients"]
             self.num_hosts, _ = host_layout(cfg.runtime, self.n)
             self._start_hosts()
@@ -115,32 +114,29 @@ class FederationRun:
     def _launch_hosts_early(self) -> None:
         """With runtime.num_hosts fixed, the pool starts while the server loads the data (about
         half of a small federation's start-up); otherwise its size waits for the client count."""
-        from raysim.runtime.cluster import launch_pool
         rt = self.cfg.runtime
         if rt.num_hosts is not None and rt.clients_per_host is None:
-            self.hosts, self._unawaited, self.pg = launch_pool(self.cfg, rt.num_hosts)
+            self.hosts, self._unawaited, self.pg = self.backend.launch_pool(self.cfg, rt.num_hosts)
 
     def _start_hosts(self) -> None:
-        from raysim.runtime.cluster import await_pool, create_pool, owner_of
         total = self.n + self.info["num_targets"]
         if self._unawaited and len(self.hosts) == self.num_hosts:  # launched early, at the right size
             starts, self._unawaited = self._unawaited, []
-            await_pool(self.hosts, starts, total, run_dir=self.run_dir)
+            self.backend.await_pool(self.hosts, starts, total, run_dir=self.run_dir)
             self.owner = owner_of(self.num_hosts)
             return
         self._stop_hosts()  # an early pool larger than the clients (or nothing, normally)
-        self.hosts, self.owner, self.pg = create_pool(self.cfg, self.num_hosts, total, run_dir=self.run_dir)
+        self.hosts, self.owner, self.pg = self.backend.create_pool(self.cfg, self.num_hosts, total,
+                                                                   run_dir=self.run_dir)
 
     def _stop_hosts(self) -> None:
-        from raysim.runtime.cluster import stop_pool
-        stop_pool(self.hosts, self.pg, self._unawaited)
+        self.backend.stop_pool(self.hosts, self.pg, self._unawaited)
         self.hosts, self.pg, self._unawaited = [], None, []
 
     def _stop(self) -> None:
-        import ray
         self._stop_hosts()
         if self.server is not None:
-            ray.kill(self.server)
+            self.backend.kill(self.server)
 
     # ------------------------------------------------------------------ one round
     def _round(self, rnd: int):
@@ -168,14 +164,13 @@ class FederationRun:
         return summary, evaluation
 
     def _call(self, refs):
-        """ray.get that tells a lost host (recoverable) from a lost server (resume later)."""
-        import ray
+        """The results of ``refs``, telling a lost host (recoverable) from a lost server (resume later)."""
         try:
-            return ray_get(refs)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError) as err:
-            if not alive(self.server):
+            return self.backend.get(refs)
+        except self.backend.lost() as err:
+            if not self.backend.alive(self.server):
                 raise RunFailed(f"the server actor was lost ({first_line(err)}); {self._resume_hint()}") from None
-            dead = [h for h, actor in enumerate(self.hosts) if not alive(actor)]
+            dead = [h for h, actor in enumerate(self.hosts) if not self.backend.alive(actor)]
             if not dead:
                 raise
             raise HostLost(dead, first_line(err)) from None
@@ -193,18 +188,18 @@ class FederationRun:
         self._start_hosts()
         ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
         if ckpt is None:
-            ray_get(self.server.reset.remote())
+            self.backend.get(self.server.reset.remote())
         return self._restore(ckpt)
 
     def _restore(self, ckpt: dict | None) -> int:
         if ckpt is None:
             self.log = MetricsLog()
             return 0
-        ray_get(self.server.load_state.remote(ckpt["server"]))
+        self.backend.get(self.server.load_state.remote(ckpt["server"]))
         by_host: dict[int, dict] = {}
         for cid, record in ckpt["clients"].items():
             by_host.setdefault(self.owner(cid), {})[cid] = record
-        ray_get([self.hosts[h].import_states.remote(records) for h, records in by_host.items()])
+        self.backend.get([self.hosts[h].import_states.remote(records) for h, records in by_host.items()])
         self.log = MetricsLog.from_table(ckpt["metrics"])
         return ckpt["round"]
 

@@ -65,7 +65,6 @@ class Server:
         Returns ``([payload_ref], {client_id: personal_ref})``; the ref travels inside a list so
         that each host fetches it from the object store itself.
         """
-        import ray
         if for_training:
             payload = self.method.broadcast(self.state, rnd)
         else:
@@ -77,11 +76,11 @@ class Server:
         for cid in client_ids:
             p = self.method.client_payload(self.state, cid, rnd)
             if p is not None:
-                personal[cid] = ray.put(p)
+                personal[cid] = _put(p)
                 down += tensors_nbytes(p)
         if for_training:
             self._bytes_down = down
-        return [ray.put(payload)], personal
+        return [_put(payload)], personal
 
     def aggregate(self, rnd: int, *host_results) -> dict:
         results = sorted(host_results, key=lambda r: r["host"])
@@ -114,3 +113,8 @@ class Server:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self.method.init_server(self.fed.initial_model())
 
+
+def _put(obj):
+    """Into the object store (hosts fetch it from there), or as is without Ray (InProcess)."""
+    import ray
+    return ray.put(obj) if ray.is_initialized() else obj

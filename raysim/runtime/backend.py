@@ -1,0 +1,123 @@
+"""Where a federation's server and hosts live: Ray actors (the default), or plain objects in the
+driver's process (``InProcess``: the same round loop without Ray, for tests and debugging).
+
+The round loop (:mod:`raysim.runtime.loop`) talks to both the same way: ``handle.method.remote(...)``
+returns a reference, and ``backend.get(refs)`` waits for it.
+"""
+from __future__ import annotations
+
+
+class RayActors:
+    """A Server actor and a pool of ClientHost actors in one placement group."""
+
+    def server(self, cfg):
+        import ray
+        from raysim.runtime.cluster import server_placement
+        from raysim.runtime.server import Server
+        return ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
+                                          scheduling_strategy=server_placement()).remote(cfg)
+
+    def launch_pool(self, cfg, num_hosts: int):
+        from raysim.runtime.cluster import launch_pool
+        return launch_pool(cfg, num_hosts)
+
+    def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
+        from raysim.runtime.cluster import await_pool
+        return await_pool(hosts, starts, num_clients, run_dir=run_dir)
+
+    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
+        from raysim.runtime.cluster import create_pool
+        return create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
+
+    def stop_pool(self, hosts, pg, unawaited=()) -> None:
+        from raysim.runtime.cluster import stop_pool
+        stop_pool(hosts, pg, unawaited)
+
+    def kill(self, actor) -> None:
+        import ray
+        ray.kill(actor)
+
+    def get(self, refs):
+        from raysim.runtime.cluster import ray_get
+        return ray_get(refs)
+
+    def alive(self, actor) -> bool:
+        from raysim.runtime.cluster import alive
+        return alive(actor)
+
+    def lost(self) -> tuple:
+        """The exceptions that mean an actor (or an object it held) is gone."""
+        import ray
+        return ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError
+
+
+class _Done:
+    """The result of a call that already ran (InProcess's stand-in for an ObjectRef)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _value(x):
+    return x.value if isinstance(x, _Done) else x
+
+
+class _Method:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        return _Done(self._fn(*[_value(a) for a in args], **{k: _value(v) for k, v in kwargs.items()}))
+
+
+class _Handle:
+    """An object called like an actor: ``handle.method.remote(...)`` runs it now."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return _Method(getattr(self.obj, name))
+
+
+class InProcess(RayActors):
+    """Server and hosts as objects in this process. Payloads still go through ``ray.put`` when a
+    Ray instance is up (hosts read them from the object store as on a cluster)."""
+
+    def server(self, cfg):
+        from raysim.runtime.server import Server
+        return _Handle(Server(cfg))
+
+    def launch_pool(self, cfg, num_hosts: int):
+        from raysim.runtime.host import ClientHost
+        hosts = [_Handle(ClientHost(h, cfg, num_hosts, gpu_ids=[])) for h in range(num_hosts)]
+        return hosts, [h.start.remote() for h in hosts], None
+
+    def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
+        ready = self.get(starts)
+        if sum(r["clients"] for r in ready) != num_clients:
+            raise RuntimeError(f"the hosts hold {sum(r['clients'] for r in ready)} clients but the server counts "
+                               f"{num_clients}")
+        return ready
+
+    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
+        from raysim.runtime.cluster import owner_of
+        hosts, starts, pg = self.launch_pool(cfg, num_hosts)
+        self.await_pool(hosts, starts, num_clients, run_dir)
+        return hosts, owner_of(num_hosts), pg
+
+    def stop_pool(self, hosts, pg, unawaited=()) -> None:
+        pass
+
+    def kill(self, actor) -> None:
+        pass
+
+    def get(self, refs):
+        return [_value(r) for r in refs] if isinstance(refs, list) else _value(refs)
+
+    def alive(self, actor) -> bool:
+        return True
+
+    def lost(self) -> tuple:
+        return ()
