@@ -22,6 +22,12 @@ _METHODS = {
     "gperxan": "raysim.methods.gperxan:GPerXAN",
     "gfedavg": "raysim.methods.gperxan:GFedAvg",
     "csac": "raysim.methods.csac:CSAC",
+    "scaffold": "raysim.methods.scaffold:Scaffold",
+    "feddyn": "raysim.methods.feddyn:FedDyn",
+    "moon": "raysim.methods.moon:MOON",
+    "ditto": "raysim.methods.ditto:Ditto",
+    "lg_fedavg": "raysim.methods.lg_fedavg:LGFedAvg",
+    "partialfed": "raysim.methods.partialfed:PartialFed",
 }
 
 

@@ -17,6 +17,7 @@ the uploads with the method's aggregator and hands the result to ``aggregate``.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
@@ -288,6 +289,27 @@ class Method:
     def report_markdown(cls, run_dir: str) -> str:
         """Method-specific sections appended to a run's summary.md (markdown; "" for none)."""
         return ""
+
+
+class SpareModels:
+    """Extra instances of the host's model (a frozen copy of the received global model, a client's
+    previous or personal model), built once per host and reloaded for each client: nothing is
+    rebuilt per client step."""
+
+    def __init__(self):
+        self._nets: dict[str, tuple[nn.Module, nn.Module]] = {}
+
+    def get(self, key: str, like: nn.Module, tensors: Tensors, trainable: bool = False) -> nn.Module:
+        """The ``key`` instance (a copy of ``like``'s architecture) holding ``tensors``: in train
+        mode; frozen (no gradient) unless ``trainable``."""
+        net, src = self._nets.get(key, (None, None))
+        if net is None or src is not like:
+            net = copy.deepcopy(like)
+            self._nets[key] = (net, like)
+        net.load_state_dict(tensors)
+        net.train()
+        net.requires_grad_(trainable)
+        return net
 
 
 def client_weight(ctx: ClientContext) -> float:

@@ -1,0 +1,79 @@
+"""FedDyn — Acar, Zhao, Matas Navarro, Mattina, Whatmough, Saligrama, "Federated Learning Based on
+Dynamic Regularization", ICLR 2021 (Algorithm 1).
+
+Client k in S, round t, from theta^{t-1} (its state: g_k, the gradient of its last local optimum, 0 at first):
+    theta_k = argmin_theta  L_k(theta) - <g_k, theta> + (alpha / 2) ||theta - theta^{t-1}||^2   (E epochs of SGD)
+    g_k <- g_k - alpha (theta_k - theta^{t-1})
+Server (state: h, 0 at first):
+    h       <- h - (alpha / N) sum_{k in S} (theta_k - theta^{t-1})          (N: all clients)
+    theta^t  = (1 / |S|) sum_{k in S} theta_k - h / alpha                    (the scored model)
+The linear and quadratic terms, g_k and h cover the trainable parameters; BN running statistics
+are averaged plainly. alpha is uniform across clients (the paper, FLGo), not the official code's
+alpha / (n_k / mean n).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysim.contract import ClientContext, Method, Upload
+from raysim.hparams import Hparams, Space
+from raysim.settings import setting
+
+
+@dataclass(frozen=True)
+class FedDynHparams(Hparams):
+    alpha: float = setting(0.01, gt=0)  # the middle of FDSE's grid {0.001, 0.01, 0.03, 0.1} (FLGo default 0.1)
+
+    @classmethod
+    def search_space(cls):
+        return {"alpha": Space.choice(0.001, 0.01, 0.03, 0.1)}  # FDSE A7.4
+
+
+def dynamic_regularizer(params: dict, g: dict, anchor: dict, alpha: float) -> torch.Tensor:
+    """- <g_k, theta> + (alpha / 2) ||theta - theta^{t-1}||^2 over the parameters."""
+    return sum(-(g[k] * p).sum() + 0.5 * alpha * ((p - anchor[k]) ** 2).sum() for k, p in params.items())
+
+
+def server_step(prev: dict, mean: dict, h: dict, alpha: float, sampled: int, total: int) -> tuple[dict, dict]:
+    """(theta^t, h) from theta^{t-1}, the round's mean model and h, over the keys of ``h``
+    (the parameters); other entries take the mean."""
+    h_new = {k: h[k] - alpha * (sampled / total) * (mean[k] - prev[k]) for k in h}  # (1/N) sum_S = (|S|/N) mean_S
+    theta = {k: (mean[k] - h_new[k] / alpha).to(prev[k].dtype) if k in h else mean[k] for k in prev}
+    return theta, h_new
+
+
+class FedDyn(Method):
+    name = "feddyn"
+    Hparams = FedDynHparams
+    paper = "Acar et al., ICLR 2021"
+
+    def init_server(self, model):
+        return {**super().init_server(model), "h": _zeros(model)}
+
+    def init_client_state(self, client_id, model):
+        return {"g": _zeros(model)}
+
+    def local_update(self, ctx: ClientContext) -> Upload:
+        model, alpha = ctx.model, self.hp.alpha
+        anchor = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}  # theta^{t-1}
+        g = {k: v.to(ctx.device) for k, v in ctx.state["g"].items()}
+        opt = ctx.optimizer()
+        for x, y in ctx.batches():
+            params = {k: p for k, p in model.named_parameters() if k in g}
+            ctx.step(F.cross_entropy(model(x), y) + dynamic_regularizer(params, g, anchor, alpha), opt)
+        params = dict(model.named_parameters())
+        ctx.state["g"] = {k: (g[k] - alpha * (params[k].detach() - anchor[k])).cpu() for k in g}
+        return Upload(tensors={k: v.detach() for k, v in model.state_dict().items()}, weight=1.0,  # 1/|S|
+                      metrics=ctx.stats())
+
+    def aggregate(self, state, uploads, round):
+        theta, h = server_step(state["global"], uploads.mean, state["h"], self.hp.alpha, len(uploads.clients),
+                               self.setup.num_clients)
+        return {**state, "global": theta, "h": h}
+
+
+def _zeros(model) -> dict:
+    return {k: torch.zeros_like(p.detach()) for k, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,122 @@
+"""SCAFFOLD — Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning", ICML 2020 (Algorithm 1).
+
+Server state: the global model x and the server control variate c (both start at 0 for c).
+Client state: its control variate c_i (starts at 0, as FLGo does).
+
+Client i in S, round t (Alg. 1 lines 7-13):
+    y <- x
+    K steps:   y <- y - eta_l (g_i(y) - c_i + c)
+               (the correction is the gradient of <c - c_i, y>, added to the loss, so clipping and
+               weight decay act on the corrected gradient as in FLGo)
+    c_i+ <- c_i - c + (x - y) / (K eta_l)          option II (default)
+          | grad f_i(x), one pass over D_i       option I
+    upload  Delta y_i = y - x,  Delta c_i = c_i+ - c_i;  keep c_i <- c_i+
+
+Server (lines 16-17):
+    x <- x + eta_g (1/|S|) sum_i Delta y_i            (uniform over the round's clients)
+    c <- c + (1/N) sum_i Delta c_i                    (N: all clients)
+
+Control variates cover the trainable parameters; BN running statistics are averaged plainly
+(which is what eta_g = 1 gives them). K is the number of optimizer steps actually taken, eta_l
+this round's learning rate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysim.contract import ClientContext, Method, Upload
+from raysim.hparams import Hparams, Space
+from raysim.settings import setting
+
+DELTA_C = "delta_c/"  # prefix of the control-variate update among the uploaded tensors
+
+
+@dataclass(frozen=True)
+class ScaffoldHparams(Hparams):
+    eta_g: float = setting(1.0, gt=0)  # global step size (paper default 1; FLGo eta = 1)
+    option: str = setting("II", one_of=("I", "II"))  # c_i+ of Alg. 1 line 12 (FLGo: II)
+
+    @classmethod
+    def search_space(cls):
+        return {"eta_g": Space.log(0.1, 1.0)}
+
+
+def param_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def control_update(c_i: dict, c: dict, x: dict, y: dict, steps: int, lr: float) -> dict:
+    """Option II: c_i+ = c_i - c + (x - y) / (K eta_l)."""
+    return {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c_i}
+
+
+def correction(model, drift: dict) -> torch.Tensor:
+    """<c - c_i, y> over the parameters (``drift`` = c - c_i): its gradient is the correction."""
+    params = dict(model.named_parameters())
+    return sum((d * params[k]).sum() for k, d in drift.items())
+
+
+class Scaffold(Method):
+    name = "scaffold"
+    Hparams = ScaffoldHparams
+    paper = "Karimireddy et al., ICML 2020"
+
+    def init_server(self, model):
+        zeros = {k: torch.zeros_like(p, dtype=torch.float32) for k, p in model.named_parameters() if p.requires_grad}
+        return {**super().init_server(model), "c": zeros}
+
+    def broadcast(self, state, round):
+        return {**super().broadcast(state, round), "c": state["c"]}
+
+    def init_client_state(self, client_id, model):
+        return {"c": {k: torch.zeros_like(p) for k, p in model.named_parameters() if p.requires_grad}}
+
+    def local_update(self, ctx: ClientContext) -> Upload:
+        model, c, c_i = ctx.model, ctx.payload["c"], ctx.state["c"]
+        x = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if self.hp.option == "I":
+            c_new = full_gradient(ctx)
+            model.load_state_dict(x)  # the pass moved the BN statistics: train from x as received
+        drift = {k: (c[k] - c_i[k]).to(ctx.device) for k in c_i}
+        opt = ctx.optimizer()
+        for xb, yb in ctx.batches():
+            ctx.step(F.cross_entropy(model(xb), yb) + correction(model, drift), opt)  # g_i - c_i + c
+        stats = ctx.stats()
+        y = {k: v.detach() for k, v in model.state_dict().items()}
+        if self.hp.option == "II":
+            c_new = control_update(c_i, c, x, y, max(stats["steps"], 1), ctx.lr)
+        delta_c = {DELTA_C + k: c_new[k] - c_i[k] for k in c_i}
+        ctx.state["c"] = {k: v.detach().cpu().clone() for k, v in c_new.items()}
+        return Upload(tensors={**y, **delta_c}, weight=1.0, metrics=stats)  # uniform mean over S
+
+    def aggregate(self, state, uploads, round):
+        x, mean = state["global"], uploads.mean
+        eta = self.hp.eta_g
+        new_x = {}
+        for k, v in x.items():
+            y_bar = mean[k]
+            new_x[k] = y_bar if eta == 1.0 or k not in state["c"] else (v + eta * (y_bar - v)).to(v.dtype)
+        share = len(uploads.clients) / self.setup.num_clients  # (1/N) sum_S = (|S|/N) mean_S
+        c = {k: v + share * mean[DELTA_C + k] for k, v in state["c"].items()}
+        return {**state, "global": new_x, "c": c}
+
+
+def full_gradient(ctx: ClientContext) -> dict:
+    """Option I: grad f_i(x), the mean over one pass of the batch gradients at the received x."""
+    model = ctx.model
+    sums, batches = {}, 0
+    model.train()
+    for xb, yb in ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(xb), yb).backward()
+        for k, p in model.named_parameters():
+            if p.grad is not None:
+                sums[k] = sums.get(k, 0) + p.grad.detach()
+        batches += 1
+    model.zero_grad(set_to_none=True)
+    return {k: sums.get(k, torch.zeros_like(p)) / max(batches, 1)
+            for k, p in model.named_parameters() if p.requires_grad}
