@@ -63,6 +63,9 @@ class Ditto(Method):
         ctx.state["v"] = {k: t.detach().cpu().clone() for k, t in v.state_dict().items()}
         return self.upload(ctx, stats)
 
+    def post_train_state(self, ctx):
+        return {k: v.clone() for k, v in ctx.state["v"].items()}
+
     def eval_model(self, model, payload, state):
         """The personal model v_k (the global model before the client's first round)."""
         self.load_client_model(model, payload, state)

@@ -28,6 +28,9 @@ _METHODS = {
     "ditto": "raysim.methods.ditto:Ditto",
     "lg_fedavg": "raysim.methods.lg_fedavg:LGFedAvg",
     "partialfed": "raysim.methods.partialfed:PartialFed",
+    "fedheal": "raysim.methods.fedheal:FedHEAL",
+    "fedfa": "raysim.methods.fedfa:FedFA",
+    "fpl": "raysim.methods.fpl:FPL",
 }
 
 

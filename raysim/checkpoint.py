@@ -28,6 +28,7 @@ def config_fingerprint(cfg) -> str:
     d.pop("runtime", None)
     d.pop("checkpoint", None)
     d.pop("name", None)
+    d.pop("paper", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

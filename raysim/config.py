@@ -136,6 +136,9 @@ class ExperimentConfig:
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
+    # the published numbers of the paper table the config reproduces: {source, dataset, metrics:
+    # {AVG: {method: [mean, std]}, ...}}; never used by a run, shown beside its results
+    paper: dict = field(default_factory=dict)
 
     def method_names(self) -> list[str]:
         return list(self.methods) if self.methods else [self.method]
@@ -295,6 +298,9 @@ def validate(cfg: ExperimentConfig) -> None:
          f"config key 'runtime.spill_dir' = {r.spill_dir!r}: '..' is not allowed in a scratch path")
     need(cfg.data.shards is None or cfg.data.shards.strip() != "",
          "config key 'data.shards' is empty; expected a path or URI (file://, s3://, gs://) or null")
+    need(not cfg.paper or isinstance(cfg.paper.get("metrics", {}), dict) and all(
+        isinstance(v, dict) for v in cfg.paper.get("metrics", {}).values()),
+         "config key 'paper.metrics' must map a metric (AVG, ALL, ...) to {method: [mean, std]}")
     need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
          "config key 'data.partition' must be a mapping with a 'kind' (e.g. per_domain)")
     from raysim.profiles import check_profiles

@@ -188,6 +188,9 @@ class Method:
     Hparams: ClassVar[type[Hparams]] = Hparams
     aggregator: ClassVar[Aggregator] = WeightedMean()
     paper: ClassVar[str] = ""
+    # data-derived statistics it sends between clients through the server (a privacy reviewer's
+    # first question; summary.md and the README say it): "" for none beyond the model
+    exchanges: ClassVar[str] = ""
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp
@@ -264,6 +267,11 @@ class Method:
         return Upload(tensors=shared, weight=client_weight(ctx), metrics=stats)
 
     # ---- evaluation -----------------------------------------------------------------------
+    def post_train_state(self, ctx: ClientContext) -> Tensors:
+        """What ``eval.point: post_train`` scores: the client's model as it leaves training (Ditto:
+        its personal model, which FLGo and FDSE score)."""
+        return {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
+
     def eval_model(self, model: nn.Module, payload: dict, state: dict) -> nn.Module:
         """The model a client is evaluated with (personalised protocol)."""
         self.load_client_model(model, payload, state)

@@ -341,6 +341,22 @@ def _method_sections(run_dir: str) -> str:
     return f"\n{text.rstrip()}\n" if text else ""
 
 
+def _exchanges(dirs: dict[str, str]) -> str:
+    """Which methods of the run send data-derived statistics between clients, and what."""
+    from raysim.methods import registry
+    lines = []
+    for name in dirs:
+        try:
+            what = registry.get(name).exchanges
+        except UserError:
+            continue
+        if what:
+            lines.append(f"- {name}: {what}")
+    if not lines:
+        return ""
+    return "\n## Data-derived statistics exchanged between clients\n\n" + "\n".join(lines) + "\n"
+
+
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
     dirs = method_dirs(run_dir)
@@ -370,6 +386,7 @@ def render(run_dir: str) -> str:
     else:
         text = summary_markdown(runs, title)
         text += "".join(_method_sections(next(iter(seed_dirs(d).values()))) for d in dirs.values())
+    text += _exchanges(dirs)
     tmp = os.path.join(run_dir, "summary.md.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)

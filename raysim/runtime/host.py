@@ -141,7 +141,7 @@ class ClientHost:
             up = self.method.local_update(ctx)
             record = {"state": ctx.state}
             if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
-                record["trained"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                record["trained"] = self.method.post_train_state(ctx)
             self.store.put(cid, record)
             metrics[cid] = dict(up.metrics)
             bytes_up += tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
