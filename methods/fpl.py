@@ -96,13 +96,11 @@ def prototype_losses(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, lab
     divided by the batch size. ``protos`` M x d, ``labels`` M (the class of each prototype)."""
     logits = F.cosine_similarity(z[:, None, :], protos[None, :, :], dim=2) / tau  # B x M
     positive = labels[None, :] == y[:, None]
-    has = positive.any(dim=1)
-    pos = torch.logsumexp(logits.masked_fill(~positive, float("-inf")), dim=1)
-    cpcl = torch.where(has, torch.logsumexp(logits, dim=1) - pos, torch.zeros_like(pos)).sum() / len(y)
-    counts = positive.sum(dim=1, keepdim=True).clamp_min(1)
-    unbiased = (positive.to(protos.dtype) @ protos) / counts  # mean(P_y) for each sample
-    upcr = torch.where(has, ((z - unbiased) ** 2).mean(dim=1), torch.zeros_like(pos)).sum() / len(y)
-    return cpcl, upcr
+    has = positive.any(dim=1)  # only samples whose class has prototypes (no -inf rows: no NaN gradient)
+    logits, positive, z, n = logits[has], positive[has], z[has], len(y)
+    cpcl = (torch.logsumexp(logits, dim=1) - torch.logsumexp(logits.masked_fill(~positive, float("-inf")), dim=1))
+    unbiased = (positive.to(protos.dtype) @ protos) / positive.sum(dim=1, keepdim=True)  # mean(P_y)
+    return cpcl.sum() / n, ((z - unbiased) ** 2).mean(dim=1).sum() / n
 
 
 class FPL(Method):
