@@ -19,15 +19,14 @@ FFA layer), the server broadcasts their cross-client variances.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from raysim.contract import ClientContext, Method, Upload
-from raysim.errors import UserError
 from raysim.hparams import Hparams
+from raysim.models.blocks import insert_after_blocks
 from raysim.settings import setting
 from raysim.training import train_epochs
 
@@ -77,23 +76,6 @@ class FFALayer(nn.Module):
         return ((1.0 + r.numel() * r / r.sum()) * var).sqrt()
 
 
-def block_ends(features: nn.Sequential) -> list[str]:
-    """Names of the last module of each conv block of ``features``: a block starts at a child that
-    holds a conv and runs up to the next one, or to a flatten / linear / dropout / global pool."""
-    ends, in_block, last = [], False, None
-    stop = (nn.Flatten, nn.Linear, nn.Dropout, nn.AdaptiveAvgPool2d)
-    for name, child in features.named_children():
-        has_conv = isinstance(child, nn.Conv2d) or any(isinstance(m, nn.Conv2d) for m in child.modules())
-        if has_conv or isinstance(child, stop):
-            if in_block:
-                ends.append(last)
-            in_block = has_conv
-        last = name
-    if in_block:
-        ends.append(last)
-    return ends
-
-
 class FedFA(Method):
     name = "fedfa"
     Hparams = FedFAHparams
@@ -102,16 +84,8 @@ class FedFA(Method):
 
     def build_model(self) -> nn.Module:
         model = super().build_model()
-        if not isinstance(getattr(model, "features", None), nn.Sequential):
-            raise UserError(f"fedfa: model {self.setup.model.name!r} has no sequential 'features' to attach FFA layers to")
-        ends = block_ends(model.features)
-        widths = _output_channels(model, ends)
-        layers = []
-        for name, child in model.features.named_children():
-            layers.append((name, child))
-            if name in ends:
-                layers.append((f"{FFA}_{name}", FFALayer(widths[name], self.hp.p, self.hp.momentum, self.hp.eps)))
-        model.features = nn.Sequential(OrderedDict(layers))
+        hp = self.hp
+        insert_after_blocks(model, lambda c: FFALayer(c, hp.p, hp.momentum, hp.eps), FFA, owner=self.name)
         return model
 
     def local_update(self, ctx: ClientContext) -> Upload:
@@ -144,20 +118,3 @@ class FedFA(Method):
 
 def ffa_layers(model: nn.Module) -> dict[str, FFALayer]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FFALayer)}
-
-
-def _output_channels(model, ends: list[str]) -> dict[str, int]:
-    """The channels each block end outputs (one dummy forward at the model's input shape)."""
-    widths, hooks = {}, []
-    modules = dict(model.features.named_children())
-    for name in ends:
-        hooks.append(modules[name].register_forward_hook(
-            lambda m, i, out, name=name: widths.__setitem__(name, int(out.shape[1]))))
-    was = model.training
-    model.eval()
-    with torch.no_grad():
-        model(torch.zeros(1, *model.input_shape))
-    model.train(was)
-    for h in hooks:
-        h.remove()
-    return widths

@@ -31,6 +31,7 @@ _METHODS = {
     "fedheal": "raysim.methods.fedheal:FedHEAL",
     "fedfa": "raysim.methods.fedfa:FedFA",
     "fpl": "raysim.methods.fpl:FPL",
+    "central": "raysim.methods.central:Central",
 }
 
 

@@ -191,6 +191,9 @@ class Method:
     # data-derived statistics it sends between clients through the server (a privacy reviewer's
     # first question; summary.md and the README say it): "" for none beyond the model
     exchanges: ClassVar[str] = ""
+    # train one model on every client's data at once (DeepAll, the centralised reference): the
+    # engine gives the federation a single client holding all the training clients' data
+    pools_clients: ClassVar[bool] = False
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp

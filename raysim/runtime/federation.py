@@ -12,7 +12,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from raysim.contract import Setup
+from raysim.contract import ClientData, Setup
+from raysim.errors import UserError
 from raysim.methods import registry
 from raysim.profiles import client_profiles
 
@@ -55,6 +56,9 @@ class Federation:
         """(training clients, unseen-domain clients or None). With ``partition.holdout: DOMAIN``
         (leave-one-domain-out) the held-out domain's clients never train; they get ids after the
         training clients and are only evaluated."""
+        if self.pooled and self.cfg.data.shards:
+            raise UserError(f"method {self.cfg.method} trains on the pooled data of every client; data.shards "
+                            "cannot be used with it")
         if self.shards is not None:
             return self.shards.partition, self.shards.target
         from raysim.data.partition import leave_one_domain_out, make_partition
@@ -65,9 +69,14 @@ class Federation:
             return make_partition(self.dataset, spec, self.cfg.seed), None
         return leave_one_domain_out(self.dataset, holdout, spec, self.cfg.seed, target_test=target_test)
 
+    @cached_property
+    def pooled(self) -> bool:
+        """The method trains one model on every client's data at once (DeepAll): one pooled client."""
+        return registry.get(self.cfg.method).pools_clients
+
     @property
     def partition(self):
-        return self._partitions[0]
+        return PooledPartition(self._partitions[0]) if self.pooled else self._partitions[0]
 
     @property
     def target(self):
@@ -82,14 +91,19 @@ class Federation:
         return 0 if self.target is None else self.target.num_clients
 
     def shard(self, cid: int):
-        """A training client's shard, or (cid >= num_clients) an unseen-domain client's."""
-        n = self.num_clients
-        return self.partition.shard(cid) if cid < n else self.target.shard(cid - n)
+        """A training client's shard, or (cid >= the partition's clients) an unseen-domain client's."""
+        n = self._partitions[0].num_clients
+        return self._partitions[0].shard(cid) if cid < n else self.target.shard(cid - n)
 
     def client_data(self, cid: int):
         """A client's data as its host keeps it: views on the dataset's splits, or the arrays read
-        from the client's own shard (same images, same order, same normalisation)."""
-        from raysim.contract import ClientData
+        from the client's own shard (same images, same order, same normalisation); a pooled
+        client's views run over every member client's, one after another."""
+        if self.pooled and cid == 0:
+            return pooled_data([self._member_data(c) for c in range(self._partitions[0].num_clients)])
+        return self._member_data(cid if not self.pooled else cid - 1 + self._partitions[0].num_clients)
+
+    def _member_data(self, cid: int):
         from raysim.runtime.clientdata import SplitView
 
         if self.shards is not None:
@@ -136,3 +150,30 @@ class Federation:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             return self.method.build_model()
+
+
+class PooledPartition:
+    """Every client of a partition as one client (what a centralised reference trains on)."""
+
+    def __init__(self, part):
+        self.part = part
+        self.num_clients = 1
+
+    def domain(self, cid: int) -> str:
+        return "+".join(dict.fromkeys(self.part.domain(c) for c in range(self.part.num_clients)))
+
+    def num_samples(self, cid: int, split: str = "train") -> int:
+        return sum(self.part.num_samples(c, split) for c in range(self.part.num_clients))
+
+
+def pooled_data(members: list) -> ClientData:
+    """One ClientData whose train/val/test run over the members' views, part after part."""
+    from raysim.data.splits import ConcatSplit
+    from raysim.runtime.clientdata import SplitView
+
+    def concat(views):
+        offsets = np.cumsum([0] + [len(v.split) for v in views])
+        return SplitView(ConcatSplit([v.split for v in views]),
+                         np.concatenate([v.indices + off for v, off in zip(views, offsets)]))
+    views = {s: concat([getattr(m, s) for m in members]) for s in ("train", "val", "test")}
+    return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(views["train"]))

@@ -8,7 +8,8 @@ import torch
 from raysim.aggregation import AllUploads, Mean
 from raysim.config import ModelConfig, TrainConfig
 from raysim.contract import Setup, Upload
-from raysim.methods.fedfa import FFALayer, FedFA, block_ends
+from raysim.methods.fedfa import FFALayer, FedFA
+from raysim.models.blocks import block_ends
 from raysim.methods.fedheal import FedHEAL
 from raysim.methods.fpl import FPL, cluster_prototypes, finch, prototype_losses
 from raysim.models import build
