@@ -101,19 +101,28 @@ class CheckpointConfig:
 @dataclass
 class ProfilesConfig:
     """Client system profiles: device levels and which client has which (DapperFL's capability
-    tiers C1..C5). A client's profile is ``{"tier": index, "level": name, **the level's keys}``."""
-    # the device levels, weakest last by convention: names ("C1") or mappings ({name: C1, ...});
-    # an integer N means levels L1..LN; [] (default): no profiles
+    tiers C1..C5). A client's profile is ``{"tier": index, "level": name, **the level's keys}``;
+    the keys the simulated clock reads (raysim.profiles): ``flops`` (FLOP/s), ``memory_mb`` (the
+    largest model it can train, float32 parameters), ``up_mbps`` / ``down_mbps`` (Mbit/s),
+    ``availability`` (probability of being online in a round); others are free (e.g. a method's knob)."""
+    # the device levels, weakest last by convention: names ("C1") or mappings ({name: C1, flops: 1e9,
+    # ...}); an integer N means levels L1..LN; [] (default): no profiles
     levels: Any = field(default_factory=list)
     # which level each client gets: "round_robin" (client k -> k mod L: DapperFL's code), "random"
     # (balanced slots shuffled with the seed), or an explicit list of level indices, one per client
     assign: Any = "round_robin"
     shares: tuple[float, ...] | None = setting(None, ge=0)  # share of clients per level (default equal)
+    # availability trace: a CSV file of "client,round" rows, the rounds each client is online (it
+    # replaces the levels' availability); null: the levels' availability
+    trace: str | None = None
 
 
 @dataclass
 class ClientsConfig:
     profiles: ProfilesConfig = field(default_factory=ProfilesConfig)
+    # a round's deadline in simulated seconds: a client whose simulated compute + transfer time
+    # exceeds it is dropped from that round's aggregate (over-selection / deadline schemes); null: none
+    deadline_s: float | None = setting(None, gt=0)
 
 
 @dataclass

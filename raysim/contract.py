@@ -240,6 +240,12 @@ class Method:
         global tensors become the weighted mean (:class:`raysim.aggregation.Mean`)."""
         return {**state, "global": {**state["global"], **uploads.mean}}
 
+    def client_footprint(self, client_id: int, dense: dict) -> dict:
+        """What the client's device trains, for the simulated clock and memory budget:
+        ``{"params": n, "macs": forward multiply-accumulates per sample}``; ``dense`` is the full
+        model's. Pruning methods (DapperFL) return their sub-model's."""
+        return dense
+
     def server_metrics(self, state: dict) -> dict[str, float]:
         """Numbers about the server's state after a round's aggregation, logged as federation rows
         of split "server" (FDSE: the weight each client keeps on its own DSE in Eq. 9)."""

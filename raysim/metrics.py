@@ -66,6 +66,8 @@ class MetricsLog:
             self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
         self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
         self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
+        for name, value in (summary.get("clock") or {}).items():  # the simulated clock (client profiles)
+            self.add(rnd, -1, "ALL", "clock", name, value)
         for name, value in (summary.get("server_metrics") or {}).items():
             self.add(rnd, -1, "ALL", "server", name, value)
         if summary.get("bytes_up_eval"):  # personal tensors gathered only to build the global model

@@ -1,26 +1,48 @@
 """Client system profiles: device levels (DapperFL's capability tiers C1..C5) and which client has
-which. A method reads its client's profile from ``ctx.profile`` (and every client's from
-``setup.client_profiles``); every method of a comparison sees the same devices.
+which, and the simulated clock they drive. A method reads its client's profile from
+``ctx.profile`` (and every client's from ``setup.client_profiles``); every method of a comparison
+sees the same devices.
 
     clients:
       profiles:
-        levels: [C1, C2, C3, C4, C5]   # or 5, or [{name: C1, ...}, ...]
+        levels:                        # or [C1, C2, ...], or a number of levels
+          - {name: C1, flops: 2.0e9, memory_mb: 64, up_mbps: 20, down_mbps: 100, availability: 1.0}
+          - {name: C5, flops: 2.5e8, memory_mb: 8, up_mbps: 2, down_mbps: 10, availability: 0.8}
         assign: round_robin            # random | [0, 1, 4, ...] (one level index per client)
+        trace: null                    # or a CSV of "client,round" rows: when each client is online
+      deadline_s: null                 # drop clients slower than this many simulated seconds
+
+The clock is simulated, never measured: a client's round takes
+    compute_s = 3 x (2 x forward MACs per sample) x samples processed / flops    (forward + backward)
+    comm_s    = 8 x bytes down / (down_mbps 1e6) + 8 x bytes up / (up_mbps 1e6)
+so results are deterministic and the same on any machine. A level without ``flops`` (or a
+bandwidth) adds no time for it; without ``memory_mb`` any model fits; availability 1 by default.
 """
 from __future__ import annotations
 
+import csv
 import math
+import os
 
 from raysim.errors import UserError
 
 ASSIGN_RULES = ("round_robin", "random")
+CLOCK_KEYS = ("flops", "memory_mb", "up_mbps", "down_mbps")  # positive numbers
 
 
 def _levels(profiles) -> list[dict]:
     levels = profiles.levels
     if isinstance(levels, int) and not isinstance(levels, bool):
         return [{"name": f"L{i + 1}"} for i in range(levels)]
-    return [dict(lv) if isinstance(lv, dict) else {"name": lv} for lv in levels]
+    out = [dict(lv) if isinstance(lv, dict) else {"name": lv} for lv in levels]
+    for level in out:  # YAML 1.1 reads 1e9 as a string
+        for key in CLOCK_KEYS + ("availability",):
+            if isinstance(level.get(key), str):
+                try:
+                    level[key] = float(level[key])
+                except ValueError:
+                    pass
+    return out
 
 
 def check_profiles(profiles) -> None:
@@ -38,6 +60,18 @@ def check_profiles(profiles) -> None:
             isinstance(a, int) and not isinstance(a, bool) and 0 <= a < max(n, 1) for a in assign))):
         raise UserError(f"config key 'clients.profiles.assign' = {assign!r}: expected round_robin, random or a "
                         f"list of level indices in [0, {n})")
+    for level in _levels(profiles):
+        for key in CLOCK_KEYS + ("availability",):
+            v = level.get(key)
+            if v is None:
+                continue
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (0 <= v <= 1 if key == "availability"
+                                                                              else v > 0)
+            if not ok:
+                raise UserError(f"config key 'clients.profiles.levels' level {level['name']!r}: {key} = {v!r}: expected "
+                                + ("a probability in [0, 1]" if key == "availability" else "a positive number"))
+    if profiles.trace is not None and not os.path.isfile(profiles.trace):
+        raise UserError(f"config key 'clients.profiles.trace' = {profiles.trace!r}: no such file (a CSV of client,round rows)")
     if profiles.shares is not None and (len(profiles.shares) != n or sum(profiles.shares) <= 0):
         raise UserError(f"config key 'clients.profiles.shares' = {list(profiles.shares)!r}: expected {n} "
                         "non-negative numbers (one per level), not all 0")
@@ -88,3 +122,49 @@ def client_profiles(profiles, num_clients: int, seed: int) -> tuple[dict, ...]:
         tiers = assign_levels(num_clients, len(levels), profiles.shares, profiles.assign, seed)
     return tuple({**{k: v for k, v in levels[t].items() if k != "name"}, "tier": t, "level": levels[t]["name"]}
                  for t in tiers)
+
+
+# ----------------------------------------------------------------------------- the simulated clock
+
+def fits_memory(profile: dict, params: float) -> bool:
+    """Whether the client's device holds the model it would train (float32 parameters)."""
+    budget = profile.get("memory_mb")
+    return budget is None or params * 4 / 2 ** 20 <= budget
+
+
+def device_time(profile: dict, train_flops: float, bytes_down: float, bytes_up: float) -> tuple[float, float]:
+    """(compute seconds, transfer seconds) of one client's round on its device."""
+    compute = train_flops / profile["flops"] if profile.get("flops") else 0.0
+    comm = 0.0
+    if profile.get("down_mbps"):
+        comm += 8 * bytes_down / (profile["down_mbps"] * 1e6)
+    if profile.get("up_mbps"):
+        comm += 8 * bytes_up / (profile["up_mbps"] * 1e6)
+    return compute, comm
+
+
+def read_trace(path: str) -> set[tuple[int, int]]:
+    """The (client, round) pairs of an availability trace: a CSV of client,round rows (a header
+    row is skipped)."""
+    online = set()
+    with open(path, newline="", encoding="utf-8") as fh:
+        for i, row in enumerate(csv.reader(fh)):
+            if not row or (i == 0 and not row[0].strip().lstrip("-").isdigit()):
+                continue
+            try:
+                online.add((int(row[0]), int(row[1])))
+            except (ValueError, IndexError):
+                raise UserError(f"availability trace {path}, line {i + 1}: expected client,round integers, got {row}") from None
+    return online
+
+
+def online(profile: dict, seed: int, rnd: int, client: int, trace: set | None) -> bool:
+    """Whether the client is online in round ``rnd``: the trace says so, or a draw keyed by
+    (seed, round, client) against its level's availability."""
+    if trace is not None:
+        return (client, rnd) in trace
+    p = profile.get("availability", 1.0)
+    if p >= 1:
+        return True
+    from raysim.runtime.seeding import rng_for
+    return bool(rng_for(seed, rnd, client, "available").random() < p)

@@ -328,6 +328,42 @@ def plot_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
     os.replace(tmp, path)
 
 
+def _clock(df: pd.DataFrame) -> pd.Series | None:
+    """Simulated seconds elapsed at the end of each round (client profiles' clock), or None."""
+    rows = df[(df.split == "clock") & (df.metric == "sim_round_s")].sort_values("round")
+    if rows.empty:
+        return None
+    return pd.Series(rows.value.cumsum().values, index=rows["round"].values)
+
+
+def plot_time_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
+    """Test AVG against simulated time (the clock of the client profiles), one line per seed,
+    beside curves.png's AVG against rounds; every panel in one figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, frames in panels.items():
+        for i, df in enumerate(frames):
+            clock = _clock(df)
+            acc = df[(df.client == -1) & (df.split == "test") & (df.domain == "AVG") & (df.metric == "accuracy")]
+            if clock is None or acc.empty:
+                continue
+            acc = acc.sort_values("round")
+            ax.plot(clock.reindex(acc["round"].values).values, 100 * acc.value.values, marker=".",
+                    label=name if i == 0 else None, color=f"C{list(panels).index(name) % 10}", alpha=0.85)
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("test AVG (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 # ----------------------------------------------------------------------------- render
 
 def _method_sections(run_dir: str) -> str:
@@ -392,4 +428,6 @@ def render(run_dir: str) -> str:
         fh.write(text)
     os.replace(tmp, os.path.join(run_dir, "summary.md"))
     plot_curves(panels, os.path.join(run_dir, "curves.png"))
+    if any(_clock(df) is not None for frames in panels.values() for df in frames):
+        plot_time_curves(panels, os.path.join(run_dir, "curves_time.png"))
     return text

@@ -17,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from raysim.aggregation import WeightedMean
+from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
@@ -87,6 +88,12 @@ class ClientHost:
         # personal tensors (what the broadcast lacks), so the hosts gather them after training
         self._gather_personal = cfg.eval.protocol != "personalized"
         self._personal_keys = sorted(self.method.personal_keys(self.model)) if self._gather_personal else []
+        # client system profiles drive a simulated clock (raysim.profiles); none: no clock rows
+        self._clocked = bool(self.fed.setup.client_profiles)
+        if self._clocked:
+            from raysim.models import count_flops, count_params
+            self._dense = {"params": float(count_params(self.model)),
+                           "macs": float(count_flops(self.model, self.fed.image_shape))}
         self.data = ClientDataCache(self._client_data, DATA_CACHE_CLIENTS)
         if len(self.client_ids) <= DATA_CACHE_CLIENTS:  # cross-silo: load every client now (errors at start)
             for cid in self.client_ids:
@@ -135,6 +142,11 @@ class ClientHost:
         t0 = time.perf_counter()
         for cid in sorted(client_ids):
             mine = _client_payload(payload, personal_boxes.get(cid))
+            if self._clocked:
+                foot = self.method.client_footprint(cid, self._dense)
+                if not fits_memory(self.fed.profile(cid), foot["params"]):  # it cannot train this model
+                    metrics[cid] = {"completed": 0.0, "dropped_memory": 1.0}
+                    continue
             record = self._record(cid)
             self.method.load_client_model(self.model, mine, record["state"])
             ctx = self._context(cid, rnd, mine, record["state"])
@@ -144,7 +156,12 @@ class ClientHost:
                 record["trained"] = self.method.post_train_state(ctx)
             self.store.put(cid, record)
             metrics[cid] = dict(up.metrics)
-            bytes_up += tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
+            sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
+            bytes_up += sent
+            if self._clocked:
+                late = self._clock(cid, ctx, foot, tensors_nbytes(mine), sent, metrics[cid])
+                if late:  # dropped from the aggregate: the server stopped waiting at the deadline
+                    continue
             aggregator.add(partial, cid, up)
             if personal is not None:  # for the global model only (Method.global_eval_model)
                 sd = self.model.state_dict()
@@ -153,6 +170,17 @@ class ClientHost:
                                            for k in self._personal_keys)
         return {"host": self.host_id, "partial": partial, "personal": personal, "metrics": metrics,
                 "bytes_up": bytes_up, "bytes_up_eval": eval_bytes, "seconds": time.perf_counter() - t0}
+
+    def _clock(self, cid: int, ctx: ClientContext, foot: dict, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
+        """The client's simulated round (compute from its steps x batch x model FLOPs at its
+        speed, transfer from the bytes at its bandwidth) into ``metrics``; True if it missed the deadline."""
+        train_flops = 3 * 2 * foot["macs"] * ctx.steps * self.cfg.train.batch_size  # forward + backward
+        compute, comm = device_time(self.fed.profile(cid), train_flops, bytes_down, bytes_up)
+        deadline = self.cfg.clients.deadline_s
+        late = deadline is not None and compute + comm > deadline
+        metrics.update(sim_compute_s=compute, sim_comm_s=comm, sim_seconds=compute + comm,
+                       completed=0.0 if late else 1.0, dropped_deadline=1.0 if late else 0.0, dropped_memory=0.0)
+        return late
 
     def evaluate(self, rnd: int, payload_box: list, requests: dict[int, list[str]], protocol: str,
                  personal_boxes: dict | None = None) -> dict:

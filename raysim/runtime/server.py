@@ -10,6 +10,7 @@ import torch
 
 from raysim.aggregation import WeightedMean
 from raysim.errors import UserError
+from raysim.profiles import read_trace
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import SERVER, rng_for
 from raysim.tensors import tensors_nbytes
@@ -31,6 +32,8 @@ class Server:
         # global / lodo protocols: the uniform mean of the last round's clients' personal tensors,
         # for the global model only (Method.global_eval_model); never broadcast for training
         self.personal_mean: dict[str, torch.Tensor] = {}
+        trace = self.cfg.clients.profiles.trace
+        self.trace = read_trace(trace) if trace else None
         return self.describe()
 
     def _clients_per_round(self) -> int:
@@ -54,10 +57,25 @@ class Server:
 
     # ------------------------------------------------------------------ round
     def sample(self, rnd: int) -> list[int]:
-        if self.per_round >= self.n:
-            return list(range(self.n))
+        """The round's clients: ``clients_per_round`` of those online (client profiles' availability)."""
+        online = self.online(rnd)
+        if self.per_round >= len(online):
+            return online
         rng = rng_for(self.cfg.seed, rnd, SERVER, "sample")
-        return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
+        if len(online) == self.n:
+            return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
+        return sorted(online[int(i)] for i in rng.choice(len(online), size=self.per_round, replace=False))
+
+    def online(self, rnd: int) -> list[int]:
+        """Client ids online in round ``rnd``: every client without profiles; else a draw keyed by
+        (seed, round) against each client's availability, or the availability trace."""
+        profiles = self.fed.setup.client_profiles
+        if self.trace is None and all(p.get("availability", 1.0) >= 1 for p in profiles):
+            return list(range(self.n))
+        if self.trace is not None:
+            return [c for c in range(self.n) if (c, rnd) in self.trace]
+        u = rng_for(self.cfg.seed, rnd, SERVER, "available").random(self.n)
+        return [c for c in range(self.n) if u[c] < profiles[c].get("availability", 1.0)]
 
     def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
         """ray.put the round's payload once; per-client payloads only when the method has them.
@@ -85,17 +103,24 @@ class Server:
     def aggregate(self, rnd: int, *host_results) -> dict:
         results = sorted(host_results, key=lambda r: r["host"])
         uploads = self.method.aggregator.reduce([r["partial"] for r in results])
-        self.state = self.method.aggregate(self.state, uploads, rnd)
+        if uploads.clients:  # no upload arrived (every client dropped): the server state stays as it was
+            self.state = self.method.aggregate(self.state, uploads, rnd)
         gathered = [r["personal"] for r in results if r["personal"] is not None]
         if gathered:
             self.personal_mean = WeightedMean().reduce(gathered).mean
         metrics = {c: m for r in results for c, m in r["metrics"].items()}
         clients = sorted(metrics)
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
+        clock = {}
+        if any("completed" in m for m in metrics.values()):  # the round lasts as long as its slowest finisher
+            done = [m["sim_seconds"] for m in metrics.values() if m.get("completed")]
+            late = any(m.get("dropped_deadline") for m in metrics.values())
+            clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
+                     "completed": float(len(done)), "sampled": float(len(metrics))}
         return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
                 "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
                 "bytes_up_eval": sum(r.get("bytes_up_eval", 0) for r in results),
-                "server_metrics": self.method.server_metrics(self.state),
+                "server_metrics": self.method.server_metrics(self.state), "clock": clock,
                 "bytes_down": getattr(self, "_bytes_down", 0),
                 "host_seconds": {r["host"]: r["seconds"] for r in results}}
 
