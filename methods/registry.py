@@ -32,6 +32,17 @@ _METHODS = {
     "fedfa": "raysim.methods.fedfa:FedFA",
     "fpl": "raysim.methods.fpl:FPL",
     "central": "raysim.methods.central:Central",
+    "fedsr": "raysim.methods.fedsr:FedSR",
+    "feddg_ga": "raysim.methods.feddg_ga:FedDGGA",
+    "elcfs": "raysim.methods.elcfs:ELCFS",
+    "ccst": "raysim.methods.ccst:CCST",
+    "copa": "raysim.methods.copa:COPA",
+    "fedadg": "raysim.methods.fedadg:FedADG",
+    "fedavg_mixstyle": "raysim.methods.mixstyle:FedAvgMixStyle",
+    "fedavg_rsc": "raysim.methods.rsc:FedAvgRSC",
+    "feddrop": "raysim.methods.feddrop:FedDrop",
+    "fedmp": "raysim.methods.fedmp:FedMP",
+    "nefl": "raysim.methods.nefl:NeFL",
 }
 
 

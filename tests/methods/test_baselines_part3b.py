@@ -1,0 +1,222 @@
+"""ELCFS, CCST, FedAvg+MixStyle and FedAvg+RSC: each key equation against values worked out by
+hand on tiny tensors (baselines spec 5.3, 5.4, 7)."""
+import math
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from raysim.aggregation import Mean
+from raysim.config import ModelConfig, TrainConfig
+from raysim.contract import Setup
+from raysim.errors import UserError
+from raysim.methods.ccst import CCST, StyleSums, adain, adain_decoder, vgg_to_relu4_1
+from raysim.methods.elcfs import (ELCFS, amplitude_window, boundary_loss, episodic_loss, half_width, inner_step,
+                                  interpolate_amplitude)
+from raysim.methods.mixstyle import FedAvgMixStyle, MixStyle, mix_styles
+from raysim.methods.rsc import FedAvgRSC, batch_select, challenge_mask, conv_split, rsc_mask
+from raysim.models.base import Net
+
+
+def setup(name="small_cnn", channels=1, size=16, n=3):
+    return Setup(num_classes=3, image_shape=(channels, size, size), num_clients=n, client_domains=("a",) * n,
+                 model=ModelConfig(name=name, norm="bn"), train=TrainConfig(), rounds=3, seed=0)
+
+
+# ----------------------------------------------------------------------------- ELCFS
+
+def test_elcfs_dc_swap_moves_the_mean_and_keeps_the_rest():
+    """Spec 5.3's test (r = 0, lambda = 1): x = [[0, 1], [2, 3]] (mean 1.5, DC = 6); the donor's DC is
+    |4 * 5| = 20, so every pixel moves by (20 - 6) / 4 = 3.5: x' = x - 1.5 + 5."""
+    x = torch.tensor([[[[0.0, 1.0], [2.0, 3.0]]]])
+    donor = amplitude_window(torch.full((1, 1, 2, 2), 5.0), 0)
+    assert donor.flatten().tolist() == pytest.approx([20.0])
+    out = interpolate_amplitude(x, donor, torch.tensor([1.0]), 0)
+    assert out.flatten().tolist() == pytest.approx([3.5, 4.5, 5.5, 6.5], abs=1e-6)
+    assert float(out.mean()) == pytest.approx(5.0) and torch.allclose(out - out.mean(), x - x.mean())
+    # lambda = 1/4: A_DC = 3/4 * 6 + 1/4 * 20 = 9.5, every pixel moves by (9.5 - 6) / 4 = 0.875
+    out = interpolate_amplitude(x, donor, torch.tensor([0.25]), 0)
+    assert out.flatten().tolist() == pytest.approx([0.875, 1.875, 2.875, 3.875], abs=1e-6)
+
+
+def test_elcfs_window_mixes_only_the_low_frequencies():
+    """x[h, w] = cos(2 pi w / 4) = [1, 0, -1, 0] on every row of a 4 x 4 image: |FFT| is 8 at (0, 1) and
+    (0, 3), i.e. (2, 3) and (2, 1) after fftshift, both inside the b = 1 window (rows and columns 1..3).
+    A zero donor at lambda = 1/2 halves both amplitudes, the phase stays: x' = x / 2. With b = 0 only
+    the DC (0 here) is mixed: x' = x."""
+    x = torch.tensor([1.0, 0.0, -1.0, 0.0]).expand(4, 4).reshape(1, 1, 4, 4).clone()
+    win = amplitude_window(x, 1)
+    assert win.shape == (1, 1, 3, 3) and win[0, 0, 1].tolist() == pytest.approx([8.0, 0.0, 8.0], abs=1e-5)
+    out = interpolate_amplitude(x, torch.zeros(1, 1, 3, 3), torch.tensor([0.5]), 1)
+    assert torch.allclose(out, x / 2, atol=1e-6)
+    assert torch.allclose(interpolate_amplitude(x, torch.zeros(1, 1, 1, 1), torch.tensor([0.5]), 0), x, atol=1e-6)
+    # the sine [0, 1, 0, -1] is the cosine shifted by one pixel: same amplitudes (8, imaginary FFT), same halving
+    s = torch.roll(x, 1, dims=-1)
+    assert torch.allclose(amplitude_window(s, 1), win, atol=1e-5)
+    assert torch.allclose(interpolate_amplitude(s, torch.zeros(1, 1, 3, 3), torch.tensor([0.5]), 1), s / 2, atol=1e-6)
+    # b = floor(min(H, W) r): 2 at 224 px, 0 at 28 px (spec 5.3 pitfall 1), kept inside the image
+    assert (half_width(224, 224, 0.01), half_width(28, 28, 0.01), half_width(4, 4, 0.49)) == (2, 0, 1)
+
+
+def test_elcfs_inner_step_clips_each_gradient_element():
+    """theta' = theta - beta clip(g, -c, c): beta 0.1, c 100: 1 - 0.1 * 100 = -9, 2 - 0.1 * (-0.5) = 2.05."""
+    fast = inner_step({"w": torch.tensor([1.0, 2.0])}, [torch.tensor([150.0, -0.5])], 0.1, 100.0)
+    assert fast["w"].tolist() == pytest.approx([-9.0, 2.05])
+
+
+def test_elcfs_episodic_loss_and_its_first_order_gradient_by_hand():
+    """f = flatten then W (2 x 2, zero), x = [1, 0], x' = [2, 0], y = 0, beta = 1.
+    L_in = log 2; dL_in/dW = (softmax - onehot) x^T = [[-0.5, 0], [0.5, 0]]; W' = -g = [[0.5, 0], [-0.5, 0]];
+    logits' = W' x' = [1, -1]: L_out = log(1 + e^-2) = 0.126928; dL_out/dW' = [-s, s] x'^T with
+    s = 1 / (1 + e^2) = 0.119203: [[-0.238406, 0], [0.238406, 0]]. First order: the gradient is the sum."""
+    model = Net(nn.Sequential(nn.Flatten()), nn.Linear(2, 2, bias=False), (1, 1, 2))
+    nn.init.zeros_(model.head.weight)
+    x, x_out, y = torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([[[[2.0, 0.0]]]]), torch.tensor([0])
+    loss = episodic_loss(model, x, y, x_out, beta=1.0, clip=100.0)
+    assert float(loss.detach()) == pytest.approx(math.log(2) + math.log(1 + math.exp(-2)), abs=1e-6)
+    loss.backward()
+    s = 1 / (1 + math.exp(2))
+    assert model.head.weight.grad.flatten().tolist() == pytest.approx([-0.5 - 2 * s, 0, 0.5 + 2 * s, 0], abs=1e-6)
+
+
+def test_elcfs_boundary_loss_by_hand():
+    """z = [1, 0], [1, 0], [0, 1] with labels 0, 0, 1, tau = 1: cos = [[1, 1, 0], [1, 1, 0], [0, 0, 1]].
+    Anchors 0 and 1: -log(e / (e + 1)) = log(e + 1) - 1 = 0.313262; anchor 2 has no positive."""
+    z, y = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]]), torch.tensor([0, 0, 1])
+    assert float(boundary_loss(z, y, 1.0)) == pytest.approx(math.log(math.e + 1) - 1, abs=1e-6)
+    assert float(boundary_loss(z, torch.tensor([0, 1, 2]), 1.0)) == 0.0
+
+
+def test_elcfs_server_keeps_each_clients_spectra_and_broadcasts_them():
+    m = ELCFS(ELCFS.Hparams(), setup())
+    state = m.init_server(m.build_model())
+    g = state["global"]
+    extras = {0: {"amplitudes": torch.ones(4, 1, 1, 1)}, 2: {"amplitudes": torch.zeros(3, 1, 1, 1)}}
+    state = m.aggregate(state, Mean(g, 2.0, [0, 2], extras), 1)
+    state = m.aggregate(state, Mean(g, 1.0, [1], {1: {}}), 2)  # a round without new spectra keeps the bank
+    assert sorted(m.broadcast(state, 3)["bank"]) == [0, 2] and m.server_metrics(state) == {"bank_clients": 2.0}
+    assert "amplitude" in ELCFS.exchanges and ELCFS.Hparams().r == 0.01
+    with pytest.raises(UserError):
+        ELCFS.Hparams.from_dict({"r": 0.5})
+
+
+# ----------------------------------------------------------------------------- CCST
+
+def test_ccst_adain_pins_the_population_std():
+    """Spec 5.4: one channel [1, 3], style (mu 10, sigma 2); mu_f = 2, population sigma_f = 1 (+1e-5
+    under the root): [8, 12] (the unbiased sigma_f = sqrt 2 would give [8.586, 11.414])."""
+    out = adain(torch.tensor([[[[1.0, 3.0]]]]), torch.tensor([[10.0]]), torch.tensor([[2.0]]))
+    assert out.flatten().tolist() == pytest.approx([8.0, 12.0], abs=1e-4)
+
+
+def test_ccst_overall_style_pools_every_pixel_of_every_image():
+    """Pixels 0, 2 (image 1) and 4 (image 2): mu = 2, E[f^2] = 20/3, sigma = sqrt(20/3 - 4 + 1e-5) = sqrt(8/3)."""
+    sums = StyleSums()
+    sums.add(torch.tensor([[[[0.0, 2.0]]]]))
+    sums.add(torch.tensor([[[[4.0]]]]))
+    assert sums.style().flatten().tolist() == pytest.approx([2.0, math.sqrt(8 / 3 + 1e-5)], abs=1e-6)
+
+
+def test_ccst_each_image_gets_k_distinct_styles_and_keeps_its_own():
+    """Two clients, K = 2, identity normalisation: each image appears once as itself (own style) and
+    once in client 1's style (pixel mean 0.5, std 0.1)."""
+    m = CCST(CCST.Hparams.from_dict({"k": 2}), setup())
+    x = torch.rand(3, 1, 4, 4, generator=torch.Generator().manual_seed(1)) * 0.5
+    y = torch.tensor([0, 1, 2])
+    bank = {0: torch.tensor([[0.3], [0.2]]), 1: torch.tensor([[0.5], [0.1]])}
+    one = torch.ones(1, 1, 1, 1)
+    xs, ys = m.augment(x, y, [0, 1], bank, 0, 2, 0 * one, one, torch.Generator().manual_seed(0))
+    assert xs.shape == (6, 1, 4, 4) and sorted(ys.tolist()) == [0, 0, 1, 1, 2, 2]
+    own = [i for i in range(6) if any(torch.equal(xs[i], x[j]) for j in range(3))]
+    styled = [i for i in range(6) if i not in own]
+    assert len(own) == 3 and len(styled) == 3
+    for i in styled:
+        assert float(xs[i].mean()) == pytest.approx(0.5, abs=1e-5)
+        v = float(x[ys[i]].var(unbiased=False))  # sigma_f^2: the std becomes 0.1 * sigma_f / sqrt(sigma_f^2 + 1e-5)
+        assert float(xs[i].std(unbiased=False)) == pytest.approx(0.1 * math.sqrt(v / (v + 1e-5)), abs=1e-5)
+
+
+def test_ccst_feature_variant_needs_its_weights_and_runs_with_them(tmp_path):
+    with pytest.raises(UserError, match="encoder_path"):
+        CCST.Hparams.from_dict({"variant": "feature"})
+    with pytest.raises(UserError, match="no such file"):
+        CCST.Hparams.from_dict({"variant": "feature", "encoder_path": str(tmp_path / "vgg.pth"),
+                                "decoder_path": str(tmp_path / "dec.pth")})
+    torch.save(vgg_to_relu4_1().state_dict(), tmp_path / "vgg.pth")
+    torch.save(adain_decoder().state_dict(), tmp_path / "dec.pth")
+    hp = CCST.Hparams.from_dict({"variant": "feature", "encoder_path": str(tmp_path / "vgg.pth"),
+                                 "decoder_path": str(tmp_path / "dec.pth")})
+    m = CCST(hp, setup())
+    x = torch.rand(2, 1, 16, 16)
+    assert m.encode(x).shape == (2, 512, 2, 2)
+    out = m.stylise(x, torch.rand(2, 2, 512))
+    assert out.shape == x.shape and float(out.min()) >= 0 and float(out.max()) <= 1
+
+
+def test_ccst_server_bank_and_summary_name_the_variant(tmp_path):
+    m = CCST(CCST.Hparams(), setup())
+    state = m.init_server(m.build_model())
+    state = m.aggregate(state, Mean(state["global"], 1.0, [1], {1: {"style": torch.ones(2, 1)}}), 1)
+    assert list(m.broadcast(state, 2)["styles"]) == [1]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"method": "ccst", "hp": {"ccst": {"variant": "image"}}}))
+    assert "`image`" in CCST.report_markdown(str(tmp_path)) and "style" in CCST.exchanges
+
+
+# ----------------------------------------------------------------------------- MixStyle
+
+def test_mixstyle_mix_by_hand():
+    """Instance 0 = [0, 2] (mu 1, sigma 1), instance 1 = [10, 14] (mu 12, sigma 2); perm swaps them.
+    lambda_0 = 1/4: mu_mix = 1/4 + 3/4 * 12 = 9.25, sigma_mix = 1/4 + 3/4 * 2 = 1.75:
+    out_0 = 1.75 * [-1, 1] + 9.25 = [7.5, 11]; lambda_1 = 1: instance 1 unchanged."""
+    x = torch.tensor([[[[0.0, 2.0]]], [[[10.0, 14.0]]]])
+    out = mix_styles(x, torch.tensor([0.25, 1.0]), torch.tensor([1, 0]), eps=1e-6)
+    assert out.flatten().tolist() == pytest.approx([7.5, 11.0, 10.0, 14.0], abs=1e-4)
+
+
+def test_mixstyle_layer_placement_and_when_it_is_the_identity():
+    names = lambda model: [n for n, mod in model.named_modules() if isinstance(mod, MixStyle)]  # noqa: E731
+    assert names(FedAvgMixStyle(FedAvgMixStyle.Hparams(), setup()).build_model()) == ["features.mixstyle_pool1"]
+    assert names(FedAvgMixStyle(FedAvgMixStyle.Hparams(), setup("cnn6")).build_model()) == \
+        ["features.mixstyle_pool1", "features.mixstyle_pool2"]
+    resnet = FedAvgMixStyle(FedAvgMixStyle.Hparams(), setup("resnet18", 3, 32)).build_model()
+    assert names(resnet) == ["features.mixstyle_layer1", "features.mixstyle_layer2", "features.mixstyle_layer3"]
+    layer, x = MixStyle(p=1.0), torch.randn(4, 2, 3, 3)
+    assert layer(x) is x  # no generator: never the global RNG
+    layer.generator = torch.Generator().manual_seed(0)
+    assert not torch.equal(layer(x), x)
+    layer.eval()
+    assert layer(x) is x
+    assert (FedAvgMixStyle.Hparams().p, FedAvgMixStyle.Hparams().alpha) == (0.5, 0.1)
+
+
+# ----------------------------------------------------------------------------- RSC
+
+def test_rsc_masks_by_hand():
+    """grad channel 0 = [3, 0, 6], channel 1 = [1, 2, 0] (one row of three locations).
+    Spatial: channel means [2, 1, 3]; the 2/3 quantile of [1, 2, 3] is 2 + 1/3 = 2.33: location 2 muted.
+    Channel: location means [3, 1]; the 2/3 quantile of [1, 3] is 1 + 2/3 * 2 = 2.33: channel 0 muted."""
+    g = torch.tensor([[[[3.0, 0.0, 6.0]], [[1.0, 2.0, 0.0]]]])
+    assert rsc_mask(g, 1 / 3, spatial=True).flatten().tolist() == [1.0, 1.0, 0.0]
+    assert rsc_mask(g, 1 / 3, spatial=False).flatten().tolist() == [0.0, 1.0]
+    # confidence drops 0.4, 0.7, 0.1: with b = 1/3 only sample 1 is challenged
+    assert batch_select(torch.tensor([0.9, 0.8, 0.7]), torch.tensor([0.5, 0.1, 0.6]), 1 / 3).tolist() == \
+        [False, True, False]
+
+
+def test_rsc_mutes_the_feature_with_the_largest_true_class_gradient():
+    """z = [1, 1, 1] (1 channel, 3 locations), logits = W z with W = [[5, -1, 2], [-3, 4, 0]], y = 0:
+    d logit_0 / dz = [5, -1, 2]; the 2/3 quantile of [-1, 2, 5] is 2 + 1/3 * 3 = 3: location 0 muted
+    (the sum of both logits, [2, 3, 2], would mute location 1)."""
+    head = nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[5.0, -1.0, 2.0], [-3.0, 4.0, 0.0]]))
+    mask = challenge_mask(torch.ones(1, 1, 1, 3), torch.tensor([0]), lambda z: head(z.flatten(1)), 1 / 3, 1.0, True)
+    assert mask.flatten().tolist() == [0.0, 1.0, 1.0]
+
+
+def test_rsc_challenges_the_last_conv_map():
+    model = FedAvgRSC(FedAvgRSC.Hparams(), setup()).build_model()
+    cut = conv_split(model.features)
+    assert list(dict(model.features.named_children()))[cut] == "flatten"
+    assert FedAvgRSC.Hparams().drop_f == pytest.approx(1 / 3)
