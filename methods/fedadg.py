@@ -1,0 +1,197 @@
+"""FedADG — L. Zhang, X. Lei, Y. Shi, H. Huang, C. Chen, "Federated Learning with Domain
+Generalization", arXiv:2111.10487, 2021 (federated adversarial domain generalization; spec 5.6).
+
+Each client aligns its feature distribution to a shared, class-conditional *reference
+distribution* produced by a generator, through a local discriminator.
+    F: the feature extractor, C: the classifier, G(y, u): the conditional generator of reference
+    features (u ~ U(0, 1)^{d_u}), D(y, f): a conditional discriminator on a fixed random projection
+    of f; y_s = the soft label (``soft_label`` on the true class, the rest spread evenly).
+Client k, round t, from the global F, C, G and its own D:
+    i_epochs epochs of label-smoothed CE on F and C, then E epochs where every batch takes three steps
+    (a) D:    L_D = mean[(1 - D(y_s, G(y_s, u)))^2 + D(y_s, F(x))^2]       G and F detached
+    (b) F, C: L_F = alpha CE_ls(C(F(x)), y) + (1 - alpha) mean[(1 - D(y_s, F(x)))^2]
+    (c) G:    L_G = mean[D(y_s, G(y_s, u))^2]
+    (least-squares GAN: D calls the reference "real" and the features "fake"; F learns to make its
+    features look like the reference, G to make the reference look like the features)
+    upload F, C and G as they were after the adversarial epoch with the best local validation
+    accuracy; D stays on the client.
+Server: FedAvg of F, C and G. The scored model is the global F + C.
+
+Choices (the paper leaves them open or the code read is an unofficial mirror, spec 5.6):
+* F is the zoo backbone's ``features`` and C its ``head`` (the mirror's C is Linear-Linear on
+  AlexNet's fc7; the zoo's head is one Linear);
+* G: Linear(d_u + classes, d) - LeakyReLU(0.2) - Linear(d, d) - ReLU with d_u = d / 2 (the mirror:
+  2048 for 4096-d features); the hidden width d is ours;
+* D: a fixed bias-free Gaussian projection d -> ``rp_size`` with unit-norm rows, drawn from a
+  generator keyed by the run's seed (the same on every client, never stored or sent), concatenated
+  with y_s, then Linear(rp + classes, rp) - LeakyReLU(0.2) - Linear(rp, 1) - sigmoid (widths ours);
+* y_s: ``soft_label`` (0.7) on the true class and (1 - 0.7) / (classes - 1) on each other class;
+* G and D step at ``gd_lr_ratio`` (0.7 = 0.007 / 0.01, PACS) times the round's lr; the optimizers
+  are rebuilt every round (the code); D's weights persist on the client;
+* the adversarial epochs are train.epochs (E); the CE warm-up epochs ``ce_epochs`` run first in
+  every round; train.max_steps caps the adversarial phase;
+* best-epoch upload needs a validation split; without one (or ``upload: last``) the last epoch's
+  model is uploaded. The scheduler (warm-up + ReduceLROnPlateau) is replaced by the protocol's
+  lr schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raysim.contract import ClientContext, Method, Upload, sgd_step
+from raysim.hparams import Hparams, Space
+from raysim.models.base import Net
+from raysim.runtime.seeding import SERVER, generator_for
+from raysim.settings import setting
+from raysim.training import evaluate
+
+DISC = "disc."  # the discriminator's state-dict prefix: kept on the client
+
+
+@dataclass(frozen=True)
+class FedADGHparams(Hparams):
+    alpha: float = setting(0.85, ge=0, le=1)  # weight of the CE in L_F (code)
+    label_smoothing: float = setting(0.01, ge=0, lt=1)  # PACS (VLCS: 0.2)
+    soft_label: float = setting(0.7, gt=0, le=1)  # y_s's value on the true class (code)
+    ce_epochs: int = setting(3, ge=0)  # i_epochs of plain CE before the adversarial epochs (PACS)
+    gd_lr_ratio: float = setting(0.7, gt=0)  # lr1 / lr0 = 0.007 / 0.01 (PACS)
+    rp_size: int = setting(1024, ge=1)  # the random projection's width (code)
+    upload: str = setting("best_val", one_of=("best_val", "last"))
+
+    @classmethod
+    def search_space(cls):
+        # the README's two settings (PACS 0.01, VLCS 0.2) and a middle value; alpha around the code's 0.85 (ours)
+        return {"alpha": Space.choice(0.7, 0.85, 0.95), "label_smoothing": Space.choice(0.01, 0.1, 0.2)}
+
+
+# ----------------------------------------------------------------------------- the equations
+
+def soft_labels(y: torch.Tensor, num_classes: int, on: float = 0.7) -> torch.Tensor:
+    """``on`` at the true class and (1 - on) / (classes - 1) elsewhere: y = 1 of 3 -> (0.15, 0.7, 0.15)."""
+    off = (1.0 - on) / max(num_classes - 1, 1)
+    return torch.full((len(y), num_classes), off, device=y.device).scatter_(1, y[:, None], on)
+
+
+def discriminator_loss(d_ref: torch.Tensor, d_feat: torch.Tensor) -> torch.Tensor:
+    """(a) mean[(1 - D(G))^2 + D(F)^2]: D == 0.5 gives 0.25 + 0.25 = 0.5."""
+    return ((1 - d_ref) ** 2 + d_feat ** 2).mean()
+
+
+def feature_loss(ce: torch.Tensor, d_feat: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(b) alpha CE + (1 - alpha) mean[(1 - D(F))^2]: D == 0.5 gives 0.85 CE + 0.15 * 0.25 = 0.85 CE + 0.0375."""
+    return alpha * ce + (1 - alpha) * ((1 - d_feat) ** 2).mean()
+
+
+def generator_loss(d_ref: torch.Tensor) -> torch.Tensor:
+    """(c) mean[D(G)^2]: D == 0.5 gives 0.25."""
+    return (d_ref ** 2).mean()
+
+
+# ----------------------------------------------------------------------------- the modules
+
+class Generator(nn.Module):
+    """G(y_s, u): the class-conditional reference features."""
+
+    def __init__(self, noise_dim: int, num_classes: int, feature_dim: int):
+        super().__init__()
+        self.noise_dim = noise_dim
+        self.net = nn.Sequential(nn.Linear(noise_dim + num_classes, feature_dim), nn.LeakyReLU(0.2),
+                                 nn.Linear(feature_dim, feature_dim), nn.ReLU())
+
+    def forward(self, y_soft: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([u, y_soft], dim=1))
+
+
+class Discriminator(nn.Module):
+    """D(y_s, f) in (0, 1) on a fixed random projection of f (a non-persistent buffer)."""
+
+    def __init__(self, feature_dim: int, num_classes: int, rp_size: int, generator: torch.Generator):
+        super().__init__()
+        proj = torch.randn(rp_size, feature_dim, generator=generator)
+        self.register_buffer("projection", proj / proj.norm(dim=1, keepdim=True), persistent=False)
+        self.net = nn.Sequential(nn.Linear(rp_size + num_classes, rp_size), nn.LeakyReLU(0.2),
+                                 nn.Linear(rp_size, 1), nn.Sigmoid())
+
+    def forward(self, y_soft: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([f @ self.projection.T, y_soft], dim=1)).squeeze(1)
+
+
+class FedADGNet(Net):
+    """F (``features``) + C (``head``), with the generator ``gen`` and the discriminator ``disc``
+    riding along; forward is C(F(x))."""
+
+    def __init__(self, backbone: Net, rp_size: int, seed: int):
+        super().__init__(backbone.features, backbone.head, backbone.input_shape)
+        d, c = backbone.feature_dim, backbone.num_classes
+        self.gen = Generator(max(d // 2, 1), c, d)
+        self.disc = Discriminator(d, c, rp_size, generator_for(seed, 0, SERVER, "fedadg_projection"))
+
+
+class FedADG(Method):
+    name = "fedadg"
+    Hparams = FedADGHparams
+    paper = "Zhang, Lei, Shi, Huang, Chen, arXiv:2111.10487, 2021"
+    exchanges = ("the generator of class-conditional reference features, trained to imitate the "
+                 "clients' feature distributions, is averaged and broadcast")
+
+    def build_model(self) -> nn.Module:
+        return FedADGNet(super().build_model(), self.hp.rp_size, self.setup.seed)
+
+    def personal_keys(self, model):
+        return {k for k in model.state_dict() if k.startswith(DISC)}
+
+    def local_update(self, ctx: ClientContext) -> Upload:
+        model, hp = ctx.model, self.hp
+        classes = model.num_classes
+        fc = list(model.features.parameters()) + list(model.head.parameters())
+        gen, disc = list(model.gen.parameters()), list(model.disc.parameters())
+        clip = ctx.train.grad_clip
+        opt_fc = ctx.optimizer(fc)
+        # warm-up: label-smoothed CE on F and C
+        for x, y in ctx.batches(hp.ce_epochs, max_steps=None):
+            ctx.step(F.cross_entropy(model(x), y, label_smoothing=hp.label_smoothing), opt_fc, clip=fc)
+        opt_fc = ctx.optimizer(fc)  # (the code rebuilds its optimizers per phase)
+        opt_g = ctx.optimizer(gen, lr=ctx.lr * hp.gd_lr_ratio)
+        opt_d = ctx.optimizer(disc, lr=ctx.lr * hp.gd_lr_ratio)
+        best, best_acc = None, -1.0
+        use_best = hp.upload == "best_val" and ctx.data.val is not None
+        d_sum = g_sum = 0.0
+        start = ctx.steps
+        cap = ctx.train.max_steps
+        for _ in range(ctx.train.epochs):
+            if cap and ctx.steps - start >= cap:
+                break
+            for x, y in ctx.batches(1, max_steps=cap - (ctx.steps - start) if cap else None):
+                ys = soft_labels(y, classes, hp.soft_label)
+                u = torch.rand(len(y), model.gen.noise_dim, generator=ctx.generator).to(x.device)
+                f = model.features(x)
+                # (a) the discriminator
+                loss_d = discriminator_loss(model.disc(ys, model.gen(ys, u).detach()), model.disc(ys, f.detach()))
+                sgd_step(loss_d, opt_d, clip=disc, max_norm=clip)
+                # (b) the feature extractor and the classifier
+                ce = F.cross_entropy(model.head(f), y, label_smoothing=hp.label_smoothing)
+                ctx.step(feature_loss(ce, model.disc(ys, f), hp.alpha), opt_fc, clip=fc)
+                # (c) the generator
+                loss_g = generator_loss(model.disc(ys, model.gen(ys, u)))
+                sgd_step(loss_g, opt_g, clip=gen, max_norm=clip)
+                d_sum, g_sum = d_sum + loss_d.detach().double(), g_sum + loss_g.detach().double()
+            if use_best:
+                r = evaluate(model, ctx.data.val, max(ctx.train.batch_size, 256), ctx.device)
+                acc = r["correct"] / r["n"] if r["n"] else None
+                if acc is None:
+                    use_best = False
+                elif acc > best_acc:
+                    best_acc = acc
+                    best = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith(DISC)}
+        stats = ctx.stats()
+        adv = max(ctx.steps - start, 1)
+        stats.update(d_loss=float(d_sum) / adv, g_loss=float(g_sum) / adv)
+        disc_state = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(DISC)}
+        if use_best and best is not None:
+            model.load_state_dict({**best, **disc_state})  # F, C, G of the best epoch; D as trained
+            stats["best_val_acc"] = best_acc
+        return self.upload(ctx, stats)
