@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from raysim.aggregation import update_bank
 from raysim.contract import ClientContext, Method, Upload
 from raysim.errors import UserError
 from raysim.hparams import Hparams, Space
@@ -173,11 +174,7 @@ class CCST(Method):
 
     def aggregate(self, state, uploads, round):
         new = super().aggregate(state, uploads, round)
-        styles = dict(state["styles"])
-        for k, e in uploads.extras.items():
-            if "style" in e:
-                styles[k] = e["style"]
-        return {**new, "styles": styles}
+        return {**new, "styles": update_bank(state["styles"], uploads, "style")}
 
     def server_metrics(self, state):
         return {"style_bank_clients": float(len(state["styles"]))} if state["styles"] else {}

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from raysim.aggregation import update_bank
 from raysim.contract import ClientContext, Method, Upload
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
@@ -207,11 +208,7 @@ class ELCFS(Method):
 
     def aggregate(self, state, uploads, round):
         new = super().aggregate(state, uploads, round)
-        bank = dict(state["bank"])
-        for k, e in uploads.extras.items():
-            if "amplitudes" in e:
-                bank[k] = e["amplitudes"]
-        return {**new, "bank": bank}
+        return {**new, "bank": update_bank(state["bank"], uploads, "amplitudes")}
 
     def server_metrics(self, state):
         return {"bank_clients": float(len(state["bank"]))} if state["bank"] else {}

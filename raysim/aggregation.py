@@ -58,6 +58,12 @@ def weighted_mean(pairs: Iterable[tuple[Tensors, float]], like: Tensors | None =
 
 # ----------------------------------------------------------------------------- what the server receives
 
+def update_bank(bank: dict, uploads, key: str) -> dict:
+    """A server-side bank of per-client statistics (ELCFS's amplitude spectra, CCST's styles):
+    each client that uploaded ``extras[key]`` this round replaces its entry; the others keep theirs."""
+    return {**bank, **{k: e[key] for k, e in uploads.extras.items() if key in e}}
+
+
 @dataclass
 class Mean:
     """The round's uploads as :class:`WeightedMean` reduces them."""

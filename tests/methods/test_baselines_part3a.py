@@ -21,12 +21,7 @@ from raysim.methods.fedsr import REFERENCE, FedSR, cmi_term, l2r_term, mc_log_pr
 from raysim.models import build
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def setup(n=3, rounds=10):

@@ -45,12 +45,7 @@ class KeepHosts(Callback):
         run.kept_hosts = [h.obj for h in run.hosts]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("method", registry.names())

@@ -21,13 +21,7 @@ from raysim.models.base import Net
 from raysim.runtime.host import tensors_nbytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_net():
