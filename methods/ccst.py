@@ -158,6 +158,7 @@ class CCST(Method):
     name = "ccst"
     Hparams = CCSTHparams
     paper = "Chen et al., WACV 2023 (cross-client style transfer)"
+    shares = 'shares the model and per-client style vectors; keeps nothing'
     exchanges = ("one style vector per client (per-channel mean and std of its images, pooled; "
                  "variant 'image': 2 x C pixel statistics, 'feature': 2 x 512 VGG relu4_1 statistics), "
                  "every client's sent to every client")

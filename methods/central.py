@@ -22,4 +22,5 @@ class Central(Method):
     name = "central"
     Hparams = CentralHparams
     paper = "DeepAll: centralised training on the pooled source data"
+    shares = "no federation: one model trained on the pooled clients' data"
     pools_clients = True

@@ -134,6 +134,7 @@ class COPA(Method):
     name = "copa"
     Hparams = COPAHparams
     paper = "Wu & Gong, ICCV 2021"
+    shares = 'shares the feature extractor and a bank of per-client heads (not averaged)'
 
     def build_model(self) -> nn.Module:
         backbone = super().build_model()

@@ -41,6 +41,7 @@ class Ditto(Method):
     name = "ditto"
     Hparams = DittoHparams
     paper = "Li et al., ICML 2021"
+    shares = 'shares the global model; keeps a personal model v_k'
 
     def __init__(self, hp, setup):
         super().__init__(hp, setup)

@@ -157,6 +157,7 @@ class ELCFS(Method):
     name = "elcfs"
     Hparams = ELCFSHparams
     paper = "Liu et al., CVPR 2021 (FedDG: episodic learning in continuous frequency space)"
+    shares = "shares the model and images' amplitude spectra; keeps nothing"
     exchanges = ("amplitude spectra of individual training images (the low-frequency (2b+1)^2 x C window), "
                  "every client's sent to every other client")
 

@@ -135,6 +135,7 @@ class FedADG(Method):
     name = "fedadg"
     Hparams = FedADGHparams
     paper = "Zhang, Lei, Shi, Huang, Chen, arXiv:2111.10487, 2021"
+    shares = 'shares feature extractor, classifier and reference generator; keeps its discriminator'
     exchanges = ("the generator of class-conditional reference features, trained to imitate the "
                  "clients' feature distributions, is averaged and broadcast")
 

@@ -23,5 +23,6 @@ class FedAvg(Method):
     name = "fedavg"
     Hparams = FedAvgHparams
     paper = "McMahan et al., AISTATS 2017"
+    shares = 'shares the whole model; keeps nothing'
     # The base Method already is FedAvg: broadcast the global tensors, train with SGD,
     # upload everything, aggregate by the n_k-weighted mean.

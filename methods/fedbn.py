@@ -28,6 +28,7 @@ class FedBN(Method):
     name = "fedbn"
     Hparams = FedBNHparams
     paper = "Li et al., ICLR 2021"
+    shares = 'shares all but the BatchNorm layers; keeps BN affine and statistics'
 
     def personal_keys(self, model):
         return bn_keys(model)

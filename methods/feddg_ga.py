@@ -88,6 +88,7 @@ class FedDGGA(Method):
     name = "feddg_ga"
     Hparams = FedDGGAHparams
     paper = "Zhang, Xu, Yao, Zhang, Tian, Wang, CVPR 2023"
+    shares = 'shares the whole model; server adjusts aggregation weights by generalization gaps'
     aggregator = KeepAll()  # the weights a_k are known only once the round's gaps are in
 
     def init_server(self, model):

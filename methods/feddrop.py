@@ -90,6 +90,7 @@ class FedDrop(SubModelMethod):
     name = "feddrop"
     Hparams = FedDropHparams
     paper = "Caldas et al., arXiv:1812.07210, 2018"
+    shares = 'shares dropped-out sub-models (one uniform ratio); server maps them back'
 
     def client_rho(self, client_id: int) -> float:
         levels = self.hp.rho_levels

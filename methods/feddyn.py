@@ -49,6 +49,7 @@ class FedDyn(Method):
     name = "feddyn"
     Hparams = FedDynHparams
     paper = "Acar et al., ICLR 2021"
+    shares = 'shares the whole model; keeps its dynamic-regularizer gradient g_k'
 
     def init_server(self, model):
         return {**super().init_server(model), "h": _zeros(model)}

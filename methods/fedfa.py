@@ -80,6 +80,7 @@ class FedFA(Method):
     name = "fedfa"
     Hparams = FedFAHparams
     paper = "Zhou & Konukoglu, ICLR 2023"
+    shares = 'shares the model and per-channel feature statistics; keeps nothing'
     exchanges = "per-channel running means and stds of each client's intermediate features (2 C floats per FFA layer)"
 
     def build_model(self) -> nn.Module:

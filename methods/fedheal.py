@@ -61,6 +61,7 @@ class FedHEAL(Method):
     Hparams = FedHEALHparams
     aggregator = KeepAll()  # element-wise masks: every upload
     paper = "Chen, Huang, Ye, CVPR 2024"
+    shares = 'shares the whole model; server masks and reweights updates (fairness)'
 
     def init_server(self, model):
         params = sorted(k for k, p in model.named_parameters() if p.requires_grad)

@@ -94,6 +94,7 @@ class FedMP(SubModelMethod):
     name = "fedmp"
     Hparams = FedMPHparams
     paper = "Jiang et al., ICDE 2022"
+    shares = 'shares pruned sub-models (tier ratios); server recovers them with the residual'
 
     def client_tier(self, client_id: int) -> int:
         return client_tier(self.setup, client_id, len(self.hp.rho_levels), self.name)

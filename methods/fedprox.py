@@ -28,6 +28,7 @@ class FedProx(Method):
     name = "fedprox"
     Hparams = FedProxHparams
     paper = "Li et al., MLSys 2020"
+    shares = 'shares the whole model (local proximal term to the global model); keeps nothing'
 
     def local_update(self, ctx: ClientContext) -> Upload:
         model, mu = ctx.model, self.hp.mu

@@ -127,6 +127,7 @@ class FedSR(Method):
     name = "fedsr"
     Hparams = FedSRHparams
     paper = "Nguyen, Torr, Lim, NeurIPS 2022"
+    shares = 'shares encoder and classifier; keeps its reference distribution (reference: local)'
 
     def build_model(self) -> nn.Module:
         backbone = super().build_model()

@@ -197,6 +197,7 @@ class FedWon(Method):
     name = "fedwon"
     Hparams = FedWonHparams
     paper = "Zhuang & Lyu, ICLR 2024"
+    shares = 'shares the whole model (no normalization layers, WSConv); keeps nothing'
 
     # ---- model: no normalization, every conv a WSConv -----------------------------------
     def conv_factory(self):

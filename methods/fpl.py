@@ -107,6 +107,7 @@ class FPL(Method):
     name = "fpl"
     Hparams = FPLHparams
     paper = "Huang et al., CVPR 2023"
+    shares = 'shares the model and class prototypes; keeps nothing'
     exchanges = "per-client class-mean embeddings (prototypes) up; cluster means of all clients' embeddings down"
 
     def init_server(self, model):

@@ -89,6 +89,7 @@ class GFedAvg(Method):
     name = "gfedavg"
     Hparams = GFedAvgHparams
     paper = "Le et al., CVPR 2024 (ablation: FedAvg + guiding regularizer)"
+    shares = 'shares the whole model (FedAvg + guiding regularizer); keeps nothing'
 
     def build_model(self) -> nn.Module:
         from raysim.models import build
@@ -155,6 +156,7 @@ class GPerXAN(GFedAvg):
     name = "gperxan"
     Hparams = GPerXANHparams
     paper = "Le et al., CVPR 2024"
+    shares = 'shares the IN sides of XAN layers and the rest; keeps the BN sides'
 
     # ---- model ----------------------------------------------------------------------------
     def build_model(self) -> nn.Module:

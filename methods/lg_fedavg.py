@@ -47,6 +47,7 @@ class LGFedAvg(Method):
     name = "lg_fedavg"
     Hparams = LGFedAvgHparams
     paper = "Liang et al., NeurIPS 2019 FL workshop"
+    shares = 'shares the top (global) layers; keeps the lower representation layers'
 
     def personal_keys(self, model):
         """phi_k: every state entry outside the global layers."""

@@ -22,6 +22,7 @@ class Local(Method):
     name = "local"
     Hparams = LocalHparams
     paper = "the Standalone/SingleSet baseline"
+    shares = 'shares nothing; every client trains alone'
 
     def personal_keys(self, model):
         return set(model.state_dict().keys())  # the whole model stays on the client

@@ -100,6 +100,7 @@ class FedAvgMixStyle(Method):
     name = "fedavg_mixstyle"
     Hparams = MixStyleHparams
     paper = "Zhou et al., ICLR 2021 (MixStyle), inside FedAvg"
+    shares = 'shares the whole model (MixStyle in training); keeps nothing'
 
     def build_model(self) -> nn.Module:
         model = super().build_model()

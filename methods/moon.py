@@ -51,6 +51,7 @@ class MOON(Method):
     name = "moon"
     Hparams = MOONHparams
     paper = "Li, He, Song, CVPR 2021"
+    shares = 'shares the whole model; keeps its previous local model (contrastive term)'
 
     def __init__(self, hp, setup):
         super().__init__(hp, setup)

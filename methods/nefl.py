@@ -121,6 +121,7 @@ class NeFL(SubModelMethod):
     name = "nefl"
     Hparams = NeFLHparams
     paper = "Kang et al., arXiv:2308.07761, 2023"
+    shares = 'shares nested sub-models (width scaling); per-sub-model norm layers and step sizes'
 
     def build_model(self) -> nn.Module:
         model = super().build_model()

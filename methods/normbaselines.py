@@ -62,6 +62,7 @@ class FedAvgGN(Method):
     name = "fedavg_gn"
     Hparams = FedAvgGNHparams
     paper = "FedWon (Zhuang & Lyu, ICLR 2024) baseline; GroupNorm: Wu & He, ECCV 2018"
+    shares = 'shares the whole model (GroupNorm instead of BN); keeps nothing'
     norm = "gn"
 
     def build_model(self) -> nn.Module:
@@ -83,6 +84,7 @@ class FedAvgLN(FedAvgGN):
     name = "fedavg_ln"
     Hparams = FedAvgLNHparams
     paper = "FedWon (Zhuang & Lyu, ICLR 2024) baseline; LayerNorm: Ba et al. 2016"
+    shares = 'shares the whole model (LayerNorm instead of BN); keeps nothing'
     norm = "ln"
 
 
@@ -113,6 +115,7 @@ class SiloBN(Method):
     name = "silobn"
     Hparams = SiloBNHparams
     paper = "Andreux et al., DART/DCL 2020"
+    shares = 'shares all but the BN running statistics; keeps BN statistics'
 
     def personal_keys(self, model: nn.Module) -> set[str]:
         return bn_stat_keys(model)
@@ -179,6 +182,7 @@ class FixBN(Method):
     name = "fixbn"
     Hparams = FixBNHparams
     paper = "Zhong et al., arXiv 2303.06530 (2023)"
+    shares = 'shares the whole model; BN statistics frozen after the switch round'
 
     def switch_round(self) -> int:
         if self.hp.switch_round > 0:

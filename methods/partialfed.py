@@ -47,6 +47,7 @@ class PartialFed(Method):
     name = "partialfed"
     Hparams = PartialFedHparams
     paper = "Sun et al., NeurIPS 2021 (PartialFed-Fix)"
+    shares = 'shares the whole model; keeps its last model for a partial (layer-wise) initialization'
 
     def load_client_model(self, model, payload, state):
         """theta^t, then the kept layers from the client's own last model (if it has one)."""

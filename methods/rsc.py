@@ -95,6 +95,7 @@ class FedAvgRSC(Method):
     name = "fedavg_rsc"
     Hparams = RSCHparams
     paper = "Huang et al., ECCV 2020 (RSC), inside FedAvg"
+    shares = 'shares the whole model (RSC in training); keeps nothing'
 
     def local_update(self, ctx: ClientContext) -> Upload:
         model, hp = ctx.model, self.hp

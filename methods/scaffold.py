@@ -64,6 +64,7 @@ class Scaffold(Method):
     name = "scaffold"
     Hparams = ScaffoldHparams
     paper = "Karimireddy et al., ICML 2020"
+    shares = 'shares the model and control-variate updates; keeps its client control variate'
 
     def init_server(self, model):
         zeros = {k: torch.zeros_like(p, dtype=torch.float32) for k, p in model.named_parameters() if p.requires_grad}

@@ -1,4 +1,4 @@
-"""raysim command line: run, report, data show, data shard (tune lives in raysim.tuning).
+"""raysim command line: run, report, compare, methods, data show, data shard (tune lives in raysim.tuning).
 
 User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback.
 """
@@ -34,6 +34,16 @@ def _parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="re-render summary.md and curves.png from metrics.parquet")
     rep.add_argument("run_dir")
+
+    cmp_ = sub.add_parser("compare", help="one table (and curves) across run directories")
+    cmp_.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    cmp_.add_argument("--by", choices=("method", "seed", "holdout"), default="method",
+                      help="rows: one per method (default; mean ± std over seeds), per (method, seed); "
+                           "holdout: leave-one-domain-out runs, one column per held-out domain")
+    cmp_.add_argument("--out", help="folder for compare.md, compare.csv and compare.png")
+
+    meth = sub.add_parser("methods", help="the method catalog; with NAME: its hyperparameters and search space")
+    meth.add_argument("name", nargs="?", metavar="NAME")
 
     data = sub.add_parser("data", help="inspect datasets")
     dsub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
@@ -95,6 +105,18 @@ def cmd_report(ns) -> int:
     return 0
 
 
+def cmd_compare(ns) -> int:
+    from raysim.compare import compare
+    print(compare(ns.run_dirs, by=ns.by, out=ns.out), end="")
+    return 0
+
+
+def cmd_methods(ns) -> int:
+    from raysim.catalog import methods
+    print(methods(ns.name), end="")
+    return 0
+
+
 def cmd_data(ns) -> int:
     if ns.data_command == "shard":
         return cmd_data_shard(ns)
@@ -134,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         ns = _parser().parse_args(argv)
-        return {"run": cmd_run, "report": cmd_report, "data": cmd_data, "tune": cmd_tune}[ns.command](ns)
+        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "methods": cmd_methods,
+                "data": cmd_data, "tune": cmd_tune}[ns.command](ns)
     except UserError as err:
         print(f"raysim: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2

@@ -188,6 +188,7 @@ class Method:
     Hparams: ClassVar[type[Hparams]] = Hparams
     aggregator: ClassVar[Aggregator] = WeightedMean()
     paper: ClassVar[str] = ""
+    shares: ClassVar[str] = ""  # one line for `raysim methods`: what a client sends and what it keeps
     # data-derived statistics it sends between clients through the server (a privacy reviewer's
     # first question; summary.md and the README say it): "" for none beyond the model
     exchanges: ClassVar[str] = ""

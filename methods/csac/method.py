@@ -160,6 +160,7 @@ class CSAC(Method):
     Hparams = CSACHparams
     aggregator = KeepAll()  # Eq. 4 weighs each client's tensors by its distance to the mean
     paper = "Yuan et al., IEEE TKDE 2023 (arXiv 2110.06736)"
+    shares = 'shares the model (semantic fusion at the server); clients calibrate/align locally'
 
     def __init__(self, hp: CSACHparams, setup):
         super().__init__(hp, setup)

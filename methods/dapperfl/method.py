@@ -242,6 +242,7 @@ class DapperFL(Method):
     Hparams = DapperFLHparams
     aggregator = KeepAll()  # Eq. 6 needs each client's masks
     paper = "Jia et al., NeurIPS 2024"
+    shares = 'shares pruned sub-models (fusion pruning, tier ratio rho); server recovers and aggregates'
 
     # ---- system heterogeneity ------------------------------------------------------------
     def client_tier(self, client_id: int) -> int:

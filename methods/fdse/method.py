@@ -102,6 +102,8 @@ class FDSE(Method):
     Hparams = FDSEHparams
     aggregator = KeepAll()  # Eqs. 8-9 need every client's tensors
     paper = "Wang et al., CVPR 2025"
+    shares = ('shares the DFE layers (Eq. 8 consensus) and BN_DFE statistics; DSE'
+              ' layers personalized (Eq. 9 attention mix); keeps BN_DSE statistics')
 
     # ---- model (Sec. 4.1) -------------------------------------------------------------------
     def build_model(self):

@@ -1,0 +1,171 @@
+"""``raysim methods`` (the method catalog) and ``raysim compare`` (one table across run directories),
+on small run directories written in the metrics.parquet schema that ``raysim run`` writes."""
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import yaml
+
+from raysim.cli import main
+from raysim.metrics import MetricsLog
+
+
+def raysim(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "raysim", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def one_line_error(r):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("raysim: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- methods
+
+def test_methods_lists_every_method(capsys):
+    from raysim.methods import registry
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in registry.names():
+        assert f"| {name} |" in out
+    assert "| fdse | Wang et al., CVPR 2025 |" in out
+    fedfa = next(line for line in out.splitlines() if line.startswith("| fedfa |"))
+    assert "| yes |" in fedfa  # FedFA exchanges feature statistics
+    assert "fdse/digits5" in next(line for line in out.splitlines() if line.startswith("| fdse |"))
+
+
+def test_methods_fdse_shows_hyperparameters_and_search_space(capsys):
+    assert main(["methods", "fdse"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    lam = next(line for line in lines if line.startswith("| lam |"))
+    tau = next(line for line in lines if line.startswith("| tau |"))
+    assert "0.1" in lam and ">= 0" in lam and "log(0.01, 1)" in lam
+    assert "0.5" in tau and "> 0" in tau and "log(0.001, 0.5)" in tau
+    assert "one of: 'attention', 'local', 'mean'" in out  # dse_agg's allowed values
+    assert "Wang et al., CVPR 2025" in out and "Domain Shift Eraser" in out
+    assert "configs/fdse/digits5.yaml" in out
+
+
+def test_methods_renders_choice_and_uniform_spaces():
+    from raysim.catalog import space_text
+    from raysim.hparams import Space
+    assert space_text(Space.uniform(0.1, 0.9)) == "uniform(0.1, 0.9)"
+    assert space_text(Space.log(1e-3, 0.1)) == "log(0.001, 0.1)"
+    assert space_text(Space.choice(0.2, 0.4)) == "choice(0.2, 0.4)"
+    assert space_text(Space.integer(1, 5)) == "int(1, 5)"
+
+
+def test_methods_unknown_name_is_one_line_exit_2(tmp_path):
+    line = one_line_error(raysim("methods", "nope", cwd=tmp_path))
+    assert "unknown method 'nope'" in line and "fdse" in line and "fedavg" in line
+
+
+# ----------------------------------------------------------------------------- run directories
+
+def write_federation(d, method, test, val, select="val", holdout=False):
+    """metrics.parquet + config.yaml of one federation: ``test[r]``/``val[r]`` = {domain: accuracy}
+    for rounds 1, 2, ...; AVG (mean over domains) and ALL (here the same) added."""
+    os.makedirs(d, exist_ok=True)
+    log = MetricsLog()
+    for split, per_round in (("test", test), ("val", val)):
+        for rnd, accs in enumerate(per_round, start=1):
+            for dom, v in accs.items():
+                log.add(rnd, -1, dom, split, "accuracy", v)
+            mean = sum(accs.values()) / len(accs)
+            log.add(rnd, -1, "AVG", split, "accuracy", mean)
+            log.add(rnd, -1, "ALL", split, "accuracy", mean)
+            log.add(rnd, 0, next(iter(accs)), split, "accuracy", mean)  # a client row: ignored
+    log.write(os.path.join(d, "metrics.parquet"))
+    cfg = {"method": method, "eval": {"select": select, "protocol": "lodo" if holdout else "personalized"}}
+    with open(os.path.join(d, "config.yaml"), "w") as fh:
+        yaml.safe_dump(cfg, fh)
+
+
+def seeded_run(root, methods, paper=None):
+    """A comparison directory: <method>/seed-<s>/ for seeds 0 and 1; the best validation round is 2,
+    the best test round 3 (so a table that peeks at the test split would differ)."""
+    for i, m in enumerate(methods):
+        for seed in (0, 1):
+            base = 0.5 + 0.1 * i + 0.02 * seed
+            test = [{"a": base, "b": base}, {"a": base + 0.1, "b": base + 0.2}, {"a": base + 0.3, "b": base + 0.3}]
+            val = [{"a": 0.1, "b": 0.1}, {"a": 0.9, "b": 0.9}, {"a": 0.2, "b": 0.2}]
+            write_federation(os.path.join(root, m, f"seed-{seed}"), m, test, val)
+    cfg = {"methods": list(methods), "seeds": [0, 1]}
+    if paper:
+        cfg["paper"] = paper
+    with open(os.path.join(root, "config.yaml"), "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    return str(root)
+
+
+def row(text, label):
+    return next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+
+
+def test_compare_two_runs_one_table(tmp_path, capsys):
+    paper = {"source": "Somebody et al., Table 1", "dataset": "toy", "metrics": {"AVG": {"fdse": [60.0, 1.5]}}}
+    a = seeded_run(tmp_path / "exp_a", ["fedavg", "fdse"], paper=paper)
+    b = str(tmp_path / "exp_b")  # a single federation of fdse
+    write_federation(b, "fdse", [{"a": 0.7, "b": 0.8}, {"a": 0.75, "b": 0.85}], [{"a": 0.5, "b": 0.5}, {"a": 0.4, "b": 0.4}])
+    out = tmp_path / "cmp"
+    assert main(["compare", a, b, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("| method |") == 1  # one table
+    header = next(line for line in text.splitlines() if line.startswith("| method |"))
+    assert all(c in header for c in ("| a |", "| b |", "| AVG |", "| ALL |", "paper AVG", "Δ AVG"))
+    # fedavg at the selected (best validation) round 2: seed 0 a=0.6 b=0.7, seed 1 a=0.62 b=0.72
+    fedavg = row(text, "fedavg")
+    assert "61.00 ± 1.41" in fedavg and "71.00 ± 1.41" in fedavg and "66.00 ± 1.41" in fedavg
+    # fdse in both runs: labelled by run; the paper's AVG beside the first with the difference
+    fa, fb = row(text, "fdse (exp_a)"), row(text, "fdse (exp_b)")
+    assert "76.00 ± 1.41" in fa and "60.00 ± 1.50" in fa and "+16.00" in fa  # AVG (0.76 + ...)/2
+    assert "| 70.00 | 80.00 | 75.00 |" in fb  # single seed, round 1 (best validation)
+    assert "val: 2, 2" in fa and "val: 1" in fb
+    assert "Somebody et al., Table 1" in text
+    # files
+    assert (out / "compare.md").read_text().startswith("# Comparison")
+    csv = pd.read_csv(out / "compare.csv")
+    assert list(csv["row"]) == ["fedavg", "fdse (exp_a)", "fdse (exp_b)"]
+    assert csv.loc[1, "paper AVG"] == 60.0 and abs(csv.loc[1, "Δ AVG"] - 16.0) < 1e-9
+    assert (out / "compare.png").stat().st_size > 0
+
+
+def test_compare_by_seed_and_cli(tmp_path):
+    a = seeded_run(tmp_path / "exp_a", ["fedavg", "fedbn"])
+    r = raysim("compare", a, "--by", "seed", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for label in ("fedavg seed 0", "fedavg seed 1", "fedbn seed 0", "fedbn seed 1"):
+        assert f"| {label} |" in r.stdout
+    assert " ± " not in r.stdout.split("| method |")[1]
+    assert not (tmp_path / "compare.md").exists()  # files only with --out
+
+
+def test_compare_lodo_by_holdout(tmp_path, capsys):
+    root = tmp_path / "lodo"
+    for m in ("fedavg", "fedsr"):
+        for dom in ("a", "b"):
+            acc = {"fedavg": 0.5, "fedsr": 0.6}[m] + (0.1 if dom == "b" else 0.0)
+            write_federation(root / m / f"holdout-{dom}", m, [{dom: acc}], [{dom: acc}], select="final",
+                             holdout=True)
+    with open(root / "config.yaml", "w") as fh:
+        yaml.safe_dump({"methods": ["fedavg", "fedsr"], "paper": {"metrics": {"AVG": {"fedsr": [70.0, None]}}}}, fh)
+    assert main(["compare", str(root), "--by", "holdout"]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("| method |"))
+    assert "| a | b | Avg |" in header and "paper Avg" in header
+    assert "| 50.00 | 60.00 | 55.00 |" in row(text, "fedavg")
+    assert "| 60.00 | 70.00 | 65.00 | 70.00 | -5.00 |" in row(text, "fedsr")
+
+
+def test_compare_errors_are_one_line(tmp_path):
+    assert "no such folder" in one_line_error(raysim("compare", str(tmp_path / "missing"), cwd=tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no metrics.parquet" in one_line_error(raysim("compare", str(empty), cwd=tmp_path))
+    a = seeded_run(tmp_path / "exp_a", ["fedavg"])
+    assert "--by holdout" in one_line_error(raysim("compare", a, "--by", "holdout", cwd=tmp_path))
