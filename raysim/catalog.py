@@ -35,15 +35,9 @@ def _cell(value) -> str:
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table; pandas' ``to_markdown`` when ``tabulate`` is installed, else our own."""
-    try:
-        import tabulate  # noqa: F401
-        import pandas as pd
-        return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False)
-    except ImportError:
-        out = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
-        out += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in rows]
-        return "\n".join(out)
+    """A Markdown table (pandas' ``to_markdown``, through tabulate)."""
+    import pandas as pd
+    return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False, disable_numparse=True)
 
 
 # ----------------------------------------------------------------------------- configs

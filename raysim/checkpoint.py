@@ -29,6 +29,7 @@ def config_fingerprint(cfg) -> str:
     d.pop("checkpoint", None)
     d.pop("name", None)
     d.pop("paper", None)
+    d.pop("tracking", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -126,6 +126,17 @@ class ClientsConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment tracking of every federation (raysim.tracking): TensorBoard event files in the
+    federation's run directory (``<run_dir>/tb/``), and optionally an MLflow tracking server."""
+    tensorboard: bool = True  # per-round scalars and the resolved config as hparams in <run_dir>/tb/
+    # an MLflow tracking URI (http://host:5000, file:///path, sqlite:///mlflow.db); null: no MLflow.
+    # Needs the optional extra: pip install raysim[mlflow]
+    mlflow_uri: str | None = None
+    mlflow_experiment: str | None = None  # the MLflow experiment's name; null: the config's name, else "raysim"
+
+
+@dataclass
 class ExperimentConfig:
     method: str | None = "fedavg"
     methods: list | None = None  # several methods on the same data and seed -> one comparison table
@@ -142,6 +153,7 @@ class ExperimentConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
@@ -312,6 +324,11 @@ def validate(cfg: ExperimentConfig) -> None:
          "config key 'paper.metrics' must map a metric (AVG, ALL, ...) to {method: [mean, std]}")
     need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
          "config key 'data.partition' must be a mapping with a 'kind' (e.g. per_domain)")
+    t = cfg.tracking
+    need(t.mlflow_uri is None or t.mlflow_uri.strip() != "",
+         "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")
+    need(t.mlflow_experiment is None or t.mlflow_experiment.strip() != "",
+         "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
     from raysim.profiles import check_profiles
     check_profiles(cfg.clients.profiles)
 

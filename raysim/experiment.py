@@ -18,6 +18,7 @@ from raysim.metrics import MetricsWriter
 from raysim.progress import ProgressCallback
 from raysim.runtime.datashards import lodo_holdouts
 from raysim.runtime.loop import Callback, FederationRun, MethodRun, finished
+from raysim.tracking import log_report, tracking_callbacks
 
 __all__ = ["run", "run_method", "federation", "resume_config", "MethodRun"]
 
@@ -59,6 +60,7 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     with ray_session(address or cfg.runtime.address, cfg.runtime):
         results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds))
     text = report.render(run_dir)
+    log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
     if progress:
         print(text)
         print(f"run directory: {run_dir}")
@@ -72,7 +74,8 @@ def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True,
     ``backend=raysim.runtime.backend.InProcess()`` runs it without Ray actors (debugging)."""
     holdout = (cfg.data.partition or {}).get("holdout")
     label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
-    callbacks = [MetricsWriter(run_dir), ProgressCallback(cfg.rounds, label, progress)]
+    callbacks = [MetricsWriter(run_dir), ProgressCallback(cfg.rounds, label, progress),
+                 *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))
     return FederationRun(cfg, run_dir, callbacks, backend)
