@@ -78,7 +78,7 @@ def load(run_dir: str) -> list[Entry]:
     return entries
 
 
-def _label_entries(entries: list[Entry]) -> None:
+def label_entries(entries: list[Entry]) -> None:
     """``fdse``, or ``fdse (abl_local)`` when several run directories hold fdse."""
     runs = list(dict.fromkeys(e.run_dir for e in entries))
     bases = [os.path.basename(os.path.normpath(r)) for r in runs]
@@ -297,7 +297,7 @@ def compare(run_dirs: list[str], by: str = "method", out: str | None = None) -> 
     if by not in ("method", "seed", "holdout"):
         raise UserError(f"--by {by!r}: expected method, seed or holdout")
     entries = [e for d in dict.fromkeys(os.path.normpath(d) for d in run_dirs) for e in load(d)]
-    _label_entries(entries)
+    label_entries(entries)
     text, frame, rows = compare_markdown(entries, by)
     if out:
         try:

@@ -393,6 +393,20 @@ def _exchanges(dirs: dict[str, str]) -> str:
     return "\n## Data-derived statistics exchanged between clients\n\n" + "\n".join(lines) + "\n"
 
 
+def _beside_paper(run_dir: str) -> str:
+    """The published numbers of the config's ``paper:`` section beside ours, as ``raysim compare``
+    shows them (Δ = ours − paper)."""
+    paper = _config(run_dir).get("paper")
+    if not (isinstance(paper, dict) and paper.get("metrics")):
+        return ""
+    from raysim.compare import label_entries, compare_markdown, load
+    entries = load(run_dir)
+    label_entries(entries)
+    md = compare_markdown(entries)[0]
+    body = [ln for ln in md.splitlines() if not ln.startswith(("# Comparison", "Runs: "))]
+    return "\n## Beside the published numbers\n\n" + "\n".join(body).strip() + "\n"
+
+
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
     dirs = method_dirs(run_dir)
@@ -422,7 +436,7 @@ def render(run_dir: str) -> str:
     else:
         text = summary_markdown(runs, title)
         text += "".join(_method_sections(next(iter(seed_dirs(d).values()))) for d in dirs.values())
-    text += _exchanges(dirs)
+    text += _exchanges(dirs) + _beside_paper(run_dir)
     tmp = os.path.join(run_dir, "summary.md.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)

@@ -176,3 +176,15 @@ def test_compare_errors_are_one_line(tmp_path):
     assert "no metrics.parquet" in one_line_error(raysim("compare", str(empty), cwd=tmp_path))
     a = seeded_run(tmp_path / "exp_a", ["fedavg"])
     assert "--by holdout" in one_line_error(raysim("compare", a, "--by", "holdout", cwd=tmp_path))
+
+
+def test_summary_puts_the_papers_figures_beside_ours(tmp_path):
+    from raysim.report import render
+    paper = {"source": "Somebody et al., Table 1", "metrics": {"AVG": {"fdse": [60.0, 1.5]}}}
+    a = seeded_run(tmp_path / "exp_a", ["fedavg", "fdse"], paper=paper)
+    text = flat(render(a))
+    section = text.split("## Beside the published numbers")[1]
+    assert "60.00 ± 1.50" in row(section, "fdse") and "+16.00" in row(section, "fdse")
+    assert "Somebody et al., Table 1" in section
+    plain = seeded_run(tmp_path / "exp_b", ["fedavg"])
+    assert "Beside the published" not in render(plain)
