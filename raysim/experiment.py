@@ -15,7 +15,7 @@ import time
 from raysim.config import ExperimentConfig, dump_yaml, load_config
 from raysim.errors import RunFailed, UserError
 from raysim.metrics import MetricsWriter
-from raysim.progress import ProgressCallback
+from raysim.progress import LiveBoard, ProgressCallback, live_terminal
 from raysim.runtime.datashards import lodo_holdouts
 from raysim.runtime.loop import Callback, FederationRun, MethodRun, finished
 from raysim.tracking import log_report, tracking_callbacks
@@ -57,8 +57,17 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
                     sub = os.path.join(sub, f"holdout-{holdout}")
                 if not (resume and finished(sub)):
                     jobs.append((one, sub))
+    # on a terminal, one live table for every federation (rows updated in place, the final table
+    # left on screen); otherwise plain progress lines
+    board = LiveBoard(title=f"raysim {cfg.name or '-'.join(names)}") if progress and jobs and live_terminal() else None
     with ray_session(address or cfg.runtime.address, cfg.runtime):
-        results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds))
+        try:
+            if board is not None:
+                board.start()
+            results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board)
+        finally:
+            if board is not None:
+                board.stop()
     text = report.render(run_dir)
     log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
     if progress:
@@ -68,13 +77,16 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
 
 
 def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None,
-               show_seed: bool = False, backend=None) -> FederationRun:
-    """One federation with the driver's callbacks: metrics.parquet, a progress line, and
-    ``on_round(round, summary, evaluation or None)`` if given (Tune reports through it).
+               show_seed: bool = False, backend=None, board: LiveBoard | None = None) -> FederationRun:
+    """One federation with the driver's callbacks: metrics.parquet, a progress line (a row of
+    ``board``, the driver's live table, if given), and ``on_round(round, summary, evaluation or
+    None)`` if given (Tune reports through it).
     ``backend=raysim.runtime.backend.InProcess()`` runs it without Ray actors (debugging)."""
     holdout = (cfg.data.partition or {}).get("holdout")
     label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
-    callbacks = [MetricsWriter(run_dir), ProgressCallback(cfg.rounds, label, progress),
+    detail = ", ".join(([f"holdout {holdout}"] if holdout else []) + ([f"seed {cfg.seed}"] if show_seed else []))
+    callbacks = [MetricsWriter(run_dir),
+                 ProgressCallback(cfg.rounds, label, progress, board=board, method=cfg.method, detail=detail),
                  *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))
@@ -96,7 +108,8 @@ def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_ro
     return federation(cfg, run_dir, progress=progress, on_round=on_round).run()
 
 
-def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False) -> list[MethodRun]:
+def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False,
+                     board: LiveBoard | None = None) -> list[MethodRun]:
     """Run the federations one after another, or as many at once as the cluster fits: they are
     independent (every draw is keyed by seed, round and client), so the results are the same."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -105,13 +118,15 @@ def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool =
 
     slots = parallel_slots(jobs[0][0], len(jobs)) if jobs else 1
     if slots <= 1:
-        return [federation(one, sub, progress, show_seed=show_seed).run(resume=resume) for one, sub in jobs]
-    if progress:
+        return [federation(one, sub, progress, show_seed=show_seed, board=board).run(resume=resume)
+                for one, sub in jobs]
+    if progress and board is None:
         print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
 
     def one_federation(one, sub):
-        result = federation(one, sub, "lines" if progress else False, show_seed=show_seed).run(resume=resume)
-        if progress:
+        result = federation(one, sub, "lines" if progress else False, show_seed=show_seed,
+                            board=board).run(resume=resume)
+        if progress and board is None:  # on the live table, the row says so
             print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
                   file=sys.stderr)
         return result

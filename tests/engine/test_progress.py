@@ -1,0 +1,139 @@
+"""Progress as a person sees it: ``raysim run`` of two federations side by side in a real terminal
+(a detached tmux pane, captured while it runs) shows one line per federation redrawn in place and
+ends with a final table; piped, it writes plain lines without escape codes."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROUNDS = 3
+# the quickstart made small: two federations (one host each, 2 at a time on 2 cores), 3 rounds
+ARGS = ["configs/quickstart.yaml", "methods=[fedavg,fedbn]", f"rounds={ROUNDS}", "data.options.image_size=16",
+        "data.partition.train_size=48", "train.batch_size=16", "eval.every=1", "runtime.cpus_per_host=1"]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def env():
+    """Its own Ray (not the test session's), same data cache."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+def rows(screen: str, method: str) -> list[str]:
+    """The lines of the progress table for ``method`` (the summary's markdown rows start with '|')."""
+    return [line for line in screen.splitlines() if line.split()[:1] == [method]]
+
+
+def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_path):
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (make test installs it with apt-get)")
+    socket, session = f"raysim-test-{uuid.uuid4().hex[:8]}", "progress"
+    tmux = ["tmux", "-L", socket]  # a server of its own: our environment, no user config
+    run = " ".join([sys.executable, "-m", "raysim", "run", *(f"'{a}'" for a in ARGS), "--out", str(tmp_path / "run")])
+    log = tmp_path / "exit"
+    command = f"{run}; echo $? > {log}; sleep 600"  # the pane stays for the final capture
+    subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", session, "-x", "200", "-y", "40",
+                    "-c", REPO, command], env=env(), check=True)
+    try:
+        captures, deadline = [], time.monotonic() + 150
+        while not log.exists() and time.monotonic() < deadline:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+            if "federations done" not in screen:
+                captures.append(screen)
+            time.sleep(0.2)
+        history = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-", "-t", session], capture_output=True,
+                                 text=True).stdout
+        assert log.exists(), f"raysim run did not finish in time:\n{history}"
+        assert log.read_text().strip() == "0", history
+
+        # while it runs: exactly one line per federation in every capture, the round advancing
+        live = [c for c in captures if rows(c, "fedavg") or rows(c, "fedbn")]
+        assert len(live) >= 3, f"the live table was never seen:\n{history}"
+        rounds = {m: [] for m in ("fedavg", "fedbn")}
+        for screen in live:
+            for method in rounds:
+                lines = rows(screen, method)
+                assert len(lines) == 1, f"{method}: {len(lines)} lines on one screen:\n{screen}"
+                rounds[method].append(int(re.search(rf"(\d+)/{ROUNDS}\b", lines[0]).group(1)))
+        for method, seen in rounds.items():
+            assert seen == sorted(seen) and len(set(seen)) >= 2, (method, seen)
+        assert any(re.search(r"eta \d+:\d\d", c) for c in live), "no ETA shown"
+        assert any(re.search(r"\d+\.\d%", c) for c in live), "no test AVG shown"
+
+        # at the end: the final table, and nowhere in the scroll-back a second line per federation
+        assert "raysim quickstart: 2/2 federations done" in history, history
+        for method in rounds:
+            (line,) = rows(history, method)
+            assert re.search(rf"\b{ROUNDS}/{ROUNDS}\b.*\d+\.\d%.*\bdone$", line.rstrip()), line
+        assert "run directory:" in history
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+def test_plain_lines_when_not_a_terminal(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "raysim", "run", *ARGS, "--out", str(tmp_path / "run")], cwd=REPO,
+                       env=env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert not ANSI.search(r.stdout + r.stderr), "escape codes in piped output"
+    assert "raysim: running 2 federations, 2 at a time" in r.stderr
+    for method in ("fedavg", "fedbn"):
+        lines = [line for line in r.stderr.splitlines() if line.startswith(f"{method} round ")]
+        assert [int(re.match(rf"{method} round (\d+)/{ROUNDS}", line).group(1)) for line in lines] == \
+            list(range(1, ROUNDS + 1)), r.stderr
+        assert re.search(r"loss \d\.\d{3}  acc\(AVG\)\s+\d+\.\d%  elapsed \d+:\d\d  eta \d+:\d\d$", lines[-1])
+        assert re.search(rf"raysim: \S*{method} done: {ROUNDS} rounds in \d+ s", r.stderr)
+    assert "run directory:" in r.stdout
+
+
+def test_board_rows_from_threads_and_final_table():
+    """The live table without Ray: four federations' callbacks in threads, one row each."""
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from raysim.progress import LiveBoard, ProgressCallback
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120, height=40)
+    board = LiveBoard("demo", console=console)
+    callbacks = [ProgressCallback(4, f"m{i}", "lines", board=board, method=f"m{i}", detail=f"seed {i}")
+                 for i in range(4)]
+
+    def federation(cb, stop_at):
+        cb.on_start(None)
+        for rnd in range(1, stop_at + 1):
+            cb.on_round(rnd, {"train_loss": 1 / rnd}, {"test": {"AVG": rnd / 10}} if rnd % 2 == 0 else None, None)
+        cb.on_end(None)
+
+    with board:
+        threads = [threading.Thread(target=federation, args=(cb, 4 if i else 2)) for i, cb in enumerate(callbacks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    final = Console(file=io.StringIO(), width=120)
+    final.print(board._render())
+    lines = final.file.getvalue().splitlines()
+    assert lines[0].strip() == "demo: 3/4 federations done"
+    assert re.search(r"^m0\s+seed 0\s+2/4\s+0\.500\s+20\.0%\s+0:00\s+stopped", lines[2]), lines
+    for i in range(1, 4):
+        assert re.search(rf"^m{i}\s+seed {i}\s+4/4\s+0\.250\s+40\.0%\s+0:00\s+done", lines[2 + i]), lines
+
+
+def test_plain_line_format(capsys):
+    from raysim.progress import ProgressCallback
+
+    cb = ProgressCallback(10, "fedbn[seed 1]", "lines")
+    cb.on_start(None)
+    cb.on_round(1, {"train_loss": 2.5}, None, None)
+    cb.on_round(2, {"train_loss": 1.25}, {"test": {"AVG": 0.4321}}, None)
+    cb.on_end(None)
+    assert capsys.readouterr().err.splitlines() == [
+        "fedbn[seed 1] round 1/10  loss 2.500  elapsed 0:00  eta 0:00",
+        "fedbn[seed 1] round 2/10  loss 1.250  acc(AVG)  43.2%  elapsed 0:00  eta 0:00"]
