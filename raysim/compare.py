@@ -26,7 +26,7 @@ import pandas as pd
 from raysim.catalog import markdown_table
 from raysim.errors import UserError
 from raysim.report import (AGGREGATES, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
-                           method_dirs, seed_dirs, summarize)
+                           method_dirs, save_figure, seed_dirs, summarize)
 
 
 @dataclass
@@ -281,13 +281,7 @@ def plot_compare(rows: list[Row], path: str) -> None:
             ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color=color, alpha=0.15)
     ax.set_xlabel("round")
     ax.set_ylabel("test AVG (%)" + (" / held-out Avg" if any(r.entry.lodo for r in rows) else ""))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, ax, path)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -328,6 +328,18 @@ def plot_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
     os.replace(tmp, path)
 
 
+def save_figure(fig, ax, path: str) -> None:
+    """Grid, legend, then write the figure atomically (a reader never sees half a PNG)."""
+    import matplotlib.pyplot as plt
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def _clock(df: pd.DataFrame) -> pd.Series | None:
     """Simulated seconds elapsed at the end of each round (client profiles' clock), or None."""
     rows = df[(df.split == "clock") & (df.metric == "sim_round_s")].sort_values("round")
@@ -355,13 +367,7 @@ def plot_time_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
                     label=name if i == 0 else None, color=f"C{list(panels).index(name) % 10}", alpha=0.85)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("test AVG (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, ax, path)
 
 
 # ----------------------------------------------------------------------------- render

@@ -16,13 +16,10 @@ leaves behind is ended by pid (never `ray stop`, which would end the pytest sess
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,9 +28,21 @@ from pathlib import Path
 
 import pytest
 
+import marked_procs  # tests/cluster/marked_procs.py
+from marked_procs import alive as _alive, free_ports as _free_ports, token_file_state as _token_file_state
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "cluster" / "slurm" / "raysim.sbatch"
 MARK = "RAYSIM_TEST_SLURM"
+
+
+def _marked_pids(marker: str) -> list[int]:
+    return marked_procs.marked_pids(MARK, marker)
+
+
+def _teardown(marker: str, grace_s: float = 4.0) -> None:
+    marked_procs.teardown(MARK, marker, grace_s)
+
 
 FAKE_SRUN = r"""#!/bin/bash
 # fake srun: run the step's command here, as if on the node named by -w
@@ -69,69 +78,12 @@ for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", sys.argv[3]):
 """
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _marked_pids(marker: str) -> list[int]:
-    needle = f"{MARK}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0") and _alive(int(entry)):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-def _teardown(marker: str, grace_s: float = 4.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _marked_pids(marker)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            time.sleep(0.2)
-        if not pids:
-            return
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             return fh.read().replace(b"\0", b" ").decode(errors="replace")[:150]
     except OSError:
         return "?"
-
-
-def _token_file_state():
-    path = Path.home() / ".ray" / "auth_token"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def test_sbatch_script_starts_two_nodes_runs_and_stops_ray(tmp_path):

@@ -16,13 +16,10 @@ Ray resolves `--node-ip-address=127.0.0.1` to the machine's own address (its
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,11 +28,22 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+import marked_procs  # tests/cluster/marked_procs.py
+from marked_procs import alive as _alive, free_ports as _free_ports, token_file_state as _token_file_state
 import yaml
 
 from raysim.config import load_config
 
 MARK = "RAYSIM_TEST_CLUSTER"
+
+
+def _marked_pids(marker: str) -> list[int]:
+    return marked_procs.marked_pids(MARK, marker)
+
+
+def _teardown(marker: str, grace_s: float = 4.0) -> None:
+    marked_procs.teardown(MARK, marker, grace_s)
 RAY = str(Path(sys.executable).with_name("ray"))
 
 CONFIG = {
@@ -49,52 +57,6 @@ CONFIG = {
 }
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _marked_pids(marker: str) -> list[int]:
-    """Pids of the processes whose environment carries this cluster's marker."""
-    needle = f"{MARK}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:  # gone, or not ours
-            continue
-    return pids
-
-
-def _teardown(marker: str, grace_s: float = 4.0) -> None:
-    """SIGTERM every process of this cluster, SIGKILL what is left after ``grace_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _marked_pids(marker)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            time.sleep(0.2)
-        if not pids:
-            return
-
-
 def _cpu_seconds(pids: list[int]) -> float:
     """CPU time used by these processes and the children they have reaped (ended Ray workers)."""
     total, tick = 0, os.sysconf("SC_CLK_TCK")
@@ -106,19 +68,6 @@ def _cpu_seconds(pids: list[int]) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return total / tick
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has already ended
-    except OSError:
-        return False
-
-
-def _token_file_state():
-    path = Path.home() / ".ray" / "auth_token"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def _run(cmd: list[str], env: dict, timeout: float, what: str) -> subprocess.CompletedProcess:
