@@ -42,6 +42,19 @@ class MetricsLog:
     def table(self) -> pa.Table:
         return pa.table(self._cols, schema=SCHEMA)
 
+    def last_round(self) -> int:
+        """The last round with rows (0 if none): a resumed federation's starting point."""
+        return int(max(self._cols["round"], default=0))
+
+    def round_rows(self, rnd: int) -> list[tuple]:
+        """(round, client, domain, split, metric, value) of round ``rnd``, whose rows the round loop
+        adds last: the log's tail, so this costs the round's rows, not the log's."""
+        rounds = self._cols["round"]
+        i = len(rounds)
+        while i > 0 and rounds[i - 1] == rnd:
+            i -= 1
+        return list(zip(*(self._cols[c][i:] for c in COLUMNS)))
+
     def write(self, path: str) -> None:
         tmp = f"{path}.tmp"
         pq.write_table(self.table(), tmp)

@@ -69,31 +69,13 @@ def tag_of(client: int, domain: str, split: str, metric: str) -> str | None:
 
 
 def round_scalars(log, rnd: int) -> dict[str, float]:
-    """{tag: value} of the rows ``log`` holds for round ``rnd`` (the last round's rows are its tail)."""
-    cols = getattr(log, "_cols", None)
-    if cols is None:  # not a MetricsLog: go through its table
-        cols = log.table().to_pydict()
-    rounds = cols["round"]
-    i = len(rounds)
-    while i > 0 and rounds[i - 1] == rnd:
-        i -= 1
-    if i > 0 and rnd in rounds[:i]:  # not a tail (never the case for the round loop's log): scan all
-        idx = [j for j, r in enumerate(rounds) if r == rnd]
-    else:
-        idx = range(i, len(rounds))
+    """{tag: value} of the rows ``log`` (a MetricsLog) holds for round ``rnd``."""
     out = {}
-    for j in idx:
-        tag = tag_of(int(cols["client"][j]), str(cols["domain"][j]), str(cols["split"][j]), str(cols["metric"][j]))
+    for _, client, domain, split, metric, value in log.round_rows(rnd):
+        tag = tag_of(int(client), str(domain), str(split), str(metric))
         if tag is not None:
-            out[tag] = float(cols["value"][j])
+            out[tag] = float(value)
     return out
-
-
-def last_round(log) -> int:
-    """The last round ``log`` has rows for (0 if none): a resumed federation's starting point."""
-    cols = getattr(log, "_cols", None)
-    rounds = cols["round"] if cols is not None else log.table().column("round").to_pylist()
-    return int(max(rounds)) if len(rounds) else 0
 
 
 def _safe(tag: str) -> str:
@@ -160,7 +142,7 @@ class TensorBoardWriter(Callback):
         self.writer = None
 
     def on_start(self, run) -> None:
-        done = last_round(run.log)  # > 0 when resumed from a checkpoint
+        done = run.log.last_round()  # > 0 when resumed from a checkpoint
         # a resumed run's new event file hides what an earlier one logged from its first round on
         self.writer = self._writer_cls(self.logdir, purge_step=done + 1 if done else None, flush_secs=30)
         if not done:
@@ -216,7 +198,7 @@ class MLflowLogger(Callback):
 
     def on_start(self, run) -> None:
         try:
-            self._open(resumed=last_round(run.log) > 0)
+            self._open(resumed=run.log.last_round() > 0)
         except UserError:
             raise
         except Exception as err:
@@ -263,7 +245,7 @@ class MLflowLogger(Callback):
             path = os.path.join(self.run_dir, name)
             if os.path.isfile(path):
                 self._guard(lambda p=path: self.client.log_artifact(run_id, p), name)
-        status = "FINISHED" if last_round(log) >= self.cfg.rounds else "FAILED"
+        status = "FINISHED" if log.last_round() >= self.cfg.rounds else "FAILED"
         self._guard(lambda: self.client.set_terminated(run_id, status=status), "the run's status")
         self.run_id = None
 
