@@ -84,6 +84,8 @@ class RuntimeConfig:
     server_cpus: float = setting(0.0, ge=0)
     torch_threads: int | None = setting(None, ge=1)  # None: cpus_per_host rounded down (at least 1)
     state_memory_mb: float = setting(4096.0, ge=0)  # per host; idle clients' state beyond this spills to disk
+    # per host: clients' data kept on its GPU once loaded, batches cut there (0: off; no effect on CPU)
+    device_data_mb: float = setting(0.0, ge=0)
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0
@@ -134,6 +136,7 @@ class TrackingConfig:
     # Needs the optional extra: pip install raysim[mlflow]
     mlflow_uri: str | None = None
     mlflow_experiment: str | None = None  # the MLflow experiment's name; null: the config's name, else "raysim"
+    run_name: str | None = None  # the MLflow run's name; null: <method>/seed-<s>[/holdout-<d>] (raysim tune: the trial's)
 
 
 @dataclass

@@ -108,7 +108,9 @@ def flat_config(cfg) -> dict[str, str | int | float | bool]:
 
 
 def run_name(cfg) -> str:
-    """The federation's label: ``<method>/seed-<s>[/holdout-<domain>]``."""
+    """The federation's label: ``tracking.run_name``, else ``<method>/seed-<s>[/holdout-<domain>]``."""
+    if cfg.tracking.run_name:
+        return cfg.tracking.run_name
     holdout = (cfg.data.partition or {}).get("holdout")
     return "/".join([str(cfg.method), f"seed-{cfg.seed}"] + ([f"holdout-{holdout}"] if holdout else []))
 

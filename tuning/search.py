@@ -60,6 +60,8 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
     address = address or base.runtime.address
     local = not (address or os.environ.get("RAY_ADDRESS"))
     run_raw = spec.run_experiment()
+    if sp.get_dotted(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
+        sp.set_dotted(run_raw, "tracking.mlflow_experiment", spec.name)
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
          f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
     echo(f"  space: {sp.describe(spec.space)}")

@@ -167,6 +167,9 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     # The Server's CPUs are reserved in bundle 0; the actor itself asks for none so that Ray's
     # capture of child actors into the trial's group cannot put it on a host's bundle.
     sp.set_dotted(raw, "runtime.server_cpus", 0.0)
+    # each trial is tracked like a `raysim run` federation (TensorBoard in its run directory, MLflow
+    # if configured), named after the trial so a search's runs line up with trials.parquet
+    sp.set_dotted(raw, "tracking.run_name", os.path.basename(run_dir))
     cfg = load_config(raw=raw)
     _write_placement(run_dir)
     tracker = Tracker(cfg.rounds, attempt)

@@ -14,11 +14,14 @@ from raysim.tuning.spec import load_spec
 @pytest.fixture(scope="module")
 def search(ray_session, tmp_path_factory, tiny_experiment):
     out = tmp_path_factory.mktemp("tune") / "search"
+    experiment = tiny_experiment()
+    # every trial is tracked as `raysim run` tracks a federation: a real (SQLite-backed) MLflow store
+    experiment["tracking"] = {"mlflow_uri": f"sqlite:///{out.parent / 'mlflow.db'}"}
     # Trial 1 learns (lr 0.05); trial 2 cannot (lr 1e-5: the initial model's accuracy). They run
     # one after the other, so when trial 2 reaches ASHA's first rung (round 1) trial 1's value is
     # already recorded there and trial 2 falls below the cutoff: it must be stopped.
     spec = load_spec(raw={
-        "name": "asha-test", "method": "fedprox", "experiment": tiny_experiment(),
+        "name": "asha-test", "method": "fedprox", "experiment": experiment,
         "trials": 2, "max_concurrent": 1, "sampler": {"kind": "random", "seed": 0},
         "scheduler": {"kind": "asha", "grace_period": 1, "reduction_factor": 2},
         "space": {"train.lr": {"loguniform": [1e-5, 0.1]}},
@@ -52,6 +55,27 @@ def test_the_scheduler_stops_the_bad_trial_early(search):
     # the stopped trial's per-round record survives in its run directory
     assert os.path.isfile(os.path.join(df.loc[2, "run_dir"], "progress.json"))
     assert (out / "trials").is_dir() and len(list((out / "trials").iterdir())) == 2
+
+
+def test_each_trial_is_tracked_like_a_run(search):
+    """TensorBoard events in each trial's run directory (read with TensorBoard's own reader) and one
+    MLflow run per trial, named after it, with the sampled learning rate as a param."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec, out, result, lines = search
+    df = pd.read_parquet(out / "trials.parquet")
+    for run_dir, rounds in zip(df["run_dir"], df["rounds_run"]):
+        acc = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("val/AVG")] == list(range(1, rounds + 1))
+    client = MlflowClient(f"sqlite:///{out.parent / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(spec.name).experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    assert sorted(by_name) == sorted(os.path.basename(d) for d in df["run_dir"])
+    for run_dir, lr in zip(df["run_dir"], df["train.lr"]):
+        params = by_name[os.path.basename(run_dir)].data.params
+        assert float(params["train.lr"]) == pytest.approx(lr)
 
 
 def test_trials_run_inside_their_placement_group(search):
