@@ -21,15 +21,20 @@ def train_epochs(ctx, optimizer: torch.optim.Optimizer | None = None) -> dict:
 
 @torch.no_grad()
 def evaluate(model, split, batch_size: int, device) -> dict:
-    """Sum of correct predictions and of the loss over a split (summed, so pools combine exactly)."""
+    """Sum of correct predictions and of the loss over a split (summed, so pools combine exactly).
+
+    Both sums stay on the device (the loss in float64, as a Python float would add it; the count in
+    int64) and are read once at the end, so no batch waits for the device."""
     model.eval()
-    correct, loss_sum, n = 0, 0.0, 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n = 0
     for x, y in split.eval_batches(batch_size, device):
         logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(1) == y).sum())
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").to(torch.float64)
+        correct += (logits.argmax(1) == y).sum()
         n += len(y)
-    return {"correct": correct, "loss_sum": loss_sum, "n": n}
+    return {"correct": int(correct), "loss_sum": float(loss_sum), "n": n}
 
 
 def batchnorms(model: nn.Module) -> list[nn.Module]:

@@ -19,6 +19,7 @@ import torch
 from raysim.aggregation import WeightedMean
 from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
+from raysim.runtime.clientdata import device_budget, keep_on_device
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore
@@ -94,6 +95,8 @@ class ClientHost:
             from raysim.models import count_flops, count_params
             self._dense = {"params": float(count_params(self.model)),
                            "macs": float(count_flops(self.model, self.fed.image_shape))}
+        # runtime.device_data_mb: clients' data kept on the GPU once loaded (None on CPU or at 0)
+        self.device_budget = device_budget(self.device, rt.device_data_mb)
         self.data = ClientDataCache(self._client_data, DATA_CACHE_CLIENTS)
         if len(self.client_ids) <= DATA_CACHE_CLIENTS:  # cross-silo: load every client now (errors at start)
             for cid in self.client_ids:
@@ -103,7 +106,8 @@ class ClientHost:
         return self.ready()
 
     def _client_data(self, cid: int) -> ClientData:
-        return self.fed.client_data(cid)  # from the dataset, or from the client's own shard (data.shards)
+        # from the dataset, or from the client's own shard (data.shards)
+        return keep_on_device(self.fed.client_data(cid), self.device_budget)
 
     def ready(self) -> dict:
         return {"host": self.host_id, "clients": len(self.client_ids), "device": str(self.device),
@@ -251,6 +255,7 @@ class ClientHost:
         import resource
         return {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "state_mb": self.store.bytes_in_memory / 2**20, "spills": self.store.spills,
+                "device_data_mb": self.device_budget.used / 2**20 if self.device_budget else 0.0,
                 "clients_with_state": len(self.store)}
 
 
