@@ -10,6 +10,7 @@ import sys
 import typing
 
 from raysim.errors import UserError
+from raysim.report import markdown_table
 
 # One line on what a method sends to the server and what stays on the client. The registry is the
 # list of methods; a method missing here is described from its hooks (``_derived_line``).
@@ -30,14 +31,6 @@ def shares_line(name: str, cls) -> str:
 
 # ----------------------------------------------------------------------------- tables
 
-def _cell(value) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table (pandas' ``to_markdown``, through tabulate)."""
-    import pandas as pd
-    return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False, disable_numparse=True)
 
 
 # ----------------------------------------------------------------------------- configs

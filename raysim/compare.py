@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from raysim.catalog import markdown_table
 from raysim.errors import UserError
-from raysim.report import (AGGREGATES, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
+from raysim.report import (AGGREGATES, markdown_table, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
                            method_dirs, save_figure, seed_dirs, summarize)
 
 

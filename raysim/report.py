@@ -157,11 +157,18 @@ def _pct(values: list[float]) -> str:
     return f"{np.mean(vals):.2f} ± {np.std(vals, ddof=1):.2f}"
 
 
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table (pandas' ``to_markdown``, through tabulate); cells are kept as written."""
+    return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False, disable_numparse=True)
+
+
 def _table(rows: dict[str, dict[str, list]], cols: list[str], first: str = "method") -> list[str]:
-    out = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for name, per_col in rows.items():
-        out.append(f"| {name} | " + " | ".join(_pct(per_col.get(c, [None])) for c in cols) + " |")
-    return out
+    return markdown_table([first] + cols, [[name] + [_pct(per_col.get(c, [None])) for c in cols]
+                                           for name, per_col in rows.items()]).splitlines()
 
 
 def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") -> list[str]:
@@ -170,7 +177,7 @@ def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") 
     from scipy import stats
     names = list(values)
     ref = names[0]
-    out = [f"| method | {metric} − {ref} (points, mean ± std) | seeds won | paired t-test p |", "|---|---|---|---|"]
+    rows = []
     for name in names[1:]:
         seeds = sorted(set(values[name]) & set(values[ref]))
         diffs = np.array([100 * (values[name][s] - values[ref][s]) for s in seeds])
@@ -180,8 +187,9 @@ def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") 
         p = "–"
         if len(diffs) > 1 and np.std(diffs) > 0:
             p = f"{stats.ttest_rel([values[name][s] for s in seeds], [values[ref][s] for s in seeds]).pvalue:.3f}"
-        out.append(f"| {name} | {np.mean(diffs):+.2f}{spread} | {int((diffs > 0).sum())}/{len(diffs)} | {p} |")
-    return out
+        rows.append([name, f"{np.mean(diffs):+.2f}{spread}", f"{int((diffs > 0).sum())}/{len(diffs)}", p])
+    return markdown_table(["method", f"{metric} − {ref} (points, mean ± std)", "seeds won", "paired t-test p"],
+                          rows).splitlines()
 
 
 # ----------------------------------------------------------------------------- tables
@@ -233,8 +241,8 @@ def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
     if not single:
         avg = {name: {k: s.selected["AVG"] for k, s in per.items()} for name, per in runs.items()}
         out += ["", "## AVG per seed (selected round)", ""]
-        out += ["| method | " + " | ".join(f"seed {k}" for k in seeds) + " |", "|---|" + "---|" * len(seeds)]
-        out += [f"| {name} | " + " | ".join(_pct([avg[name].get(k)]) for k in seeds) + " |" for name in runs]
+        out += markdown_table(["method"] + [f"seed {k}" for k in seeds],
+                              [[name] + [_pct([avg[name].get(k)]) for k in seeds] for name in runs]).splitlines()
         if len(runs) > 1:
             out += ["", f"## Paired comparison with {next(iter(runs))} (AVG at the selected round)", ""]
             out += paired_comparison(avg)
