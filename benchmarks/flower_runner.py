@@ -124,7 +124,7 @@ def make_apps(spec: dict, spec_path: str, timings: dict, result: dict):
             global_w = weighted_mean(sums, total, dtypes)
             if rnd == rounds:
                 load_weights(model, global_w)
-                result["final_eval"] = headline(evaluate_clients(fed, model, eval_clients))
+                result["final_eval"] = headline(evaluate_clients(fed, model, eval_clients), fed.partition.domain)
             round_seconds.append(time.perf_counter() - t0)
             if rnd == 1:  # Flower starts its actors on the first messages
                 tree_cpu.rescan()

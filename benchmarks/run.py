@@ -1,29 +1,40 @@
-"""raysim against the plain PyTorch loop and Flower's simulation runtime, in one invocation.
+"""raysim against the plain PyTorch loop, Flower, pfl-research and FLGo, in one invocation.
 
-    .venv/bin/python benchmarks/run.py            # full: A 20 rounds, B 10, C 20
+    .venv/bin/python benchmarks/run.py            # full: A 20 rounds, B 10, C 20, D 10, P 10
     .venv/bin/python benchmarks/run.py --quick    # fewer rounds (4), same table and ratios
+    .venv/bin/python benchmarks/run.py --only D,P --rounds 2 --no-flower   # a smoke run
+    .venv/bin/python benchmarks/run.py --only B --noisy    # a busy process pinned to one core throughout
 
-(33 and 13 minutes on a 2-core machine shared with other work at load average ~10, plus 1-2
-minutes the first time to install Flower's venv with pip.)
+(A, B and C alone: 33 and 13 minutes on a 2-core machine shared with other work at load average
+~10, plus 1-3 minutes the first time to install each side venv with pip.)
 
 Workloads (``benchmarks/workloads.py``): A cross-silo FedAvg, 5 clients; B cross-device FedAvg,
-1,000 clients, 50 per round; C FedBN with 100,000 registered clients vs 1,000, 100 per round.
-Every arm runs in its own process, one after the other (never two Ray instances at once):
+1,000 clients, 50 per round; C FedBN with 100,000 registered clients vs 1,000, 100 per round;
+D overhead-bound FedAvg, a tiny model, 1,000 clients, 100 per round, batch 10; P pfl-research's
+published image-classification setting scaled to this machine (1,000 clients, 50 per round,
+batch 10). Every arm runs in its own process, one after the other (never two Ray instances at once):
 
 * plain  the FedAvg loop of ``plain.py`` in one process, torch.set_num_threads(2) (both cores)
          and, as the reference of the equivalence check, with 1 thread;
 * raysim 2 ClientHost actors x 1 CPU (1 torch thread each) on the 2 cores;
-* flower ``flwr[simulation]`` in ``benchmarks/.venv-flwr``, client resources num_cpus=1 (2 actors).
+* flower ``flwr[simulation]`` in ``benchmarks/.venv-flwr``, client resources num_cpus=1 (2 actors);
+* pfl    pfl-research's simulated backend with PyTorch in ``benchmarks/.venv-pfl``, 2 worker
+         processes x 1 thread (pfl's torch.distributed multi-worker mode);
+* flgo   FLGo 0.3.29's simulator in ``benchmarks/.venv-flgo``, 1 process, 1 thread.
 
 Before any ratio is read, the final global weights of raysim and of the 1-thread plain loop
 must agree (max |difference| <= --tolerance, 0 expected): a benchmark of different computations
-is void, and the harness exits with status 1 if they do not.
+is void, and the harness exits with status 1 if they do not. The external arms are checked the
+same way; one that does not compute the same weights gets no ``<arm>/raysim`` ratio: the harness
+reports its cost per client step (``<arm>_ms_per_step`` and ``raysim_ms_per_step``: median round
+time / local SGD steps per round, overhead included) instead.
 
 Round time = the median of the per-round wall times (sample, broadcast, local training,
 aggregation; the final evaluation falls in the last round, which the median ignores, as it
 ignores Flower's first round, where its actors load the data raysim's hosts load at start-up).
 Start-up (Ray, actors, data) is reported separately. Output: the table, then one line per ratio
-``RATIO <workload> <name> <value>``; everything is also written to OUT/results.json.
+``RATIO <workload> <name> <value>``, then one line per target ``TARGET <workload> <name> ...``;
+everything is also written to OUT/results.json.
 """
 from __future__ import annotations
 
@@ -41,11 +52,77 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks import flower_env  # noqa: E402
-from benchmarks.workloads import raysim_config, workload_a, workload_b, workload_c  # noqa: E402
+from benchmarks import flgo_env, flower_env, pfl_env  # noqa: E402
+from benchmarks.procmem import cpu_seconds  # noqa: E402
+from benchmarks.workloads import WORKLOADS, raysim_config, workload_a, workload_c  # noqa: E402
 
-TARGETS = {"raysim/plain": 1.10, "flower/raysim": 3.0, "rounds_100k/1k": 1.25, "mem_over_budget": 1.0,
-           "first_round_s/10s": 1.0}
+# (workload, ratio name, only with --noisy?) -> (comparison, bound)
+TARGETS = {
+    ("A", "raysim/plain", False): ("<=", 1.10), ("B", "raysim/plain", False): ("<=", 1.10),
+    ("D", "raysim/plain", False): ("<=", 1.20),
+    ("A", "flower/raysim", False): (">=", 3.0), ("B", "flower/raysim", False): (">=", 3.0),
+    ("D", "flower/raysim", False): (">=", 10.0),
+    ("A", "pfl/raysim", False): (">=", 1.0), ("B", "pfl/raysim", False): (">=", 1.0),
+    ("D", "pfl/raysim", False): (">=", 1.0),
+    ("A", "flgo/raysim", False): (">=", 1.0), ("B", "flgo/raysim", False): (">=", 1.0),
+    ("D", "flgo/raysim", False): (">=", 1.0),
+    ("B", "raysim/plain_1thread", True): ("<=", 0.85),
+    ("C", "rounds_100k/1k", False): ("<=", 1.25), ("C", "mem_over_budget", False): ("<=", 1.0),
+    ("S", "first_round_s/10s", False): ("<=", 1.0),
+}
+FEDAVG = ("A", "B", "D", "P")  # the workloads every FedAvg arm runs
+EXTERNAL = ("flower", "pfl", "flgo")
+ROUNDS = {"A": 20, "B": 10, "C": 20, "D": 10, "P": 10}
+
+
+def target_lines(ratios: list[tuple[str, str, float]], noisy: bool) -> list[str]:
+    """``TARGET <workload> <name> <op> <bound> <measured> met|missed`` for every target measured."""
+    out = []
+    for (w, name, needs_noise), (op, bound) in TARGETS.items():
+        if needs_noise and not noisy:
+            continue
+        for rw, rn, v in ratios:
+            if (rw, rn) == (w, name):
+                ok = v <= bound if op == "<=" else v >= bound
+                out.append(f"TARGET {w} {name}{' (noisy)' if needs_noise else ''} {op} {bound:g}: "
+                           f"{v:.3g} {'met' if ok else 'missed'}")
+    return out
+
+
+class Noise:
+    """``--noisy``: a pure-Python busy loop pinned to one CPU, started before each arm and stopped
+    after it (the plain-loop references included), so that every arm runs with one core busy."""
+
+    def __init__(self, cpu: int):
+        self.cpu = int(cpu)
+        self.proc: subprocess.Popen | None = None
+        self.log: list[dict] = []
+        self._t0 = 0.0
+
+    def describe(self) -> str:
+        return f"--noisy: a pure-Python busy loop pinned to CPU {self.cpu} ran during every arm"
+
+    def start(self) -> None:
+        cpu = self.cpu
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                     preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        self._t0 = time.perf_counter()
+
+    def stop(self, arm: str) -> None:
+        if self.proc is None:
+            return
+        used = cpu_seconds(self.proc.pid)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.append({"arm": arm, "wall_s": time.perf_counter() - self._t0, "noise_cpu_s": used})
+        self.proc = None
+
+
+NOISE: Noise | None = None  # set by main() for --noisy
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -82,17 +159,24 @@ def _env() -> dict:
 
 
 def run_arm(name: str, cmd: list[str], out: str, timeout: float) -> dict:
-    """Run one arm in its own process; its output goes to OUT/<name>.log."""
+    """Run one arm in its own process (with the --noisy busy loop around it); its output goes to
+    OUT/log.txt."""
     os.makedirs(out, exist_ok=True)
     logfile = os.path.join(out, "log.txt")
+    if NOISE is not None:
+        NOISE.start()
     t0 = time.perf_counter()
-    with open(logfile, "w", encoding="utf-8") as fh:
-        try:
-            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, timeout=timeout)
-            rc = r.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
+    try:
+        with open(logfile, "w", encoding="utf-8") as fh:
+            try:
+                r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, timeout=timeout)
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+    finally:
+        wall = time.perf_counter() - t0
+        if NOISE is not None:
+            NOISE.stop(name)
     path = os.path.join(out, "result.json")
     if rc != 0 or not os.path.isfile(path):
         with open(logfile, encoding="utf-8", errors="replace") as fh:
@@ -127,6 +211,7 @@ class Bench:
         self.notes: list[str] = []
         self.results: dict = {"load_before": load_average()}
         self.void = False
+        self.pfl_native = False
 
     def plain(self, spec, threads: int, tag: str):
         log(f"{spec['name']}: plain loop, {threads} thread(s)")
@@ -148,6 +233,20 @@ class Bench:
         return run_arm(f"flower {spec['name']}", [py, os.path.join(HERE, "flower_runner.py"),
                                                   write_spec(spec, self.out), out], out, self.timeout), out
 
+    def pfl(self, spec, py: str, native: bool = False, workers: int = 2):
+        log(f"{spec['name']}: pfl-research simulated backend, {workers} workers x 1 thread"
+            f"{' (pfl native FedAvg)' if native else ''}")
+        out = os.path.join(self.out, f"{spec['name']}-pfl")
+        cmd = [py, os.path.join(HERE, "pfl_runner.py"), write_spec(spec, self.out), out, "--workers", str(workers),
+               "--threads", "1"] + (["--native"] if native else [])
+        return run_arm(f"pfl {spec['name']}", cmd, out, self.timeout), out
+
+    def flgo(self, spec, py: str):
+        log(f"{spec['name']}: FLGo simulator, 1 process x 1 thread")
+        out = os.path.join(self.out, f"{spec['name']}-flgo")
+        return run_arm(f"flgo {spec['name']}", [py, os.path.join(HERE, "flgo_bench_runner.py"),
+                                                write_spec(spec, self.out), out], out, self.timeout), out
+
     def row(self, workload: str, arm: str, res: dict, resources: str, diff: float | None = None, **extra):
         r = {"workload": workload, "arm": arm, "resources": resources,
              "ray_start": res.get("ray_start_seconds"), "startup": res.get("startup_seconds"),
@@ -155,17 +254,42 @@ class Bench:
              "cpu_median": median_cpu(res),
              "rounds_total": sum(res["round_seconds"]), "rounds": len(res["round_seconds"]),
              "test_avg": (res.get("final_eval") or {}).get("AVG"), "diff": diff, **extra}
+        if r.get("steps"):
+            r["ms_step"] = 1000 * r["round_median"] / r["steps"]
         self.rows.append(r)
         return r
 
-    def ratio(self, workload: str, name: str, value: float):
-        self.ratios.append((workload, name, value))
+    def ratio(self, workload: str, name: str, value: float | None):
+        if value is not None:
+            self.ratios.append((workload, name, value))
 
 
 # ----------------------------------------------------------------------------- workloads
 
-def fedavg_workload(b: Bench, spec: dict, flower_py: str | None, flower_why: str) -> None:
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def steps_per_round(spec: dict) -> float:
+    """Local SGD steps per round, averaged over the rounds: sum over the sampled clients of
+    epochs x ceil(n_k / batch size), as every arm trains them."""
+    from benchmarks.plain import PlainFederation
+    fed = PlainFederation(spec)
+    bs, ep = int(spec["train"]["batch_size"]), int(spec["train"].get("epochs", 1))
+    rounds = int(spec["rounds"])
+    total = sum(ep * -(-len(fed.partition.shard(c).train) // bs) for r in range(1, rounds + 1) for c in fed.sample(r))
+    return total / rounds
+
+
+RESOURCES = {"flower": "2 actors x 1 CPU, 1 thread", "pfl": "2 workers x 1 thread (torch.distributed)",
+             "flgo": "1 process, 1 thread"}
+
+
+def fedavg_workload(b: Bench, spec: dict, externals: dict[str, tuple[str | None, str]]) -> None:
+    """plain (1 and 2 threads), raysim, then each external arm of ``externals`` ({arm: (python of
+    its venv or None, versions or why not)})."""
     w = spec["name"]
+    steps = steps_per_round(spec)
     ref, ref_dir = b.plain(spec, 1, "plain-1t")
     fast, fast_dir = b.plain(spec, 2, "plain-2t")
     rs, rs_dir = b.raysim(spec, "raysim")
@@ -176,26 +300,51 @@ def fedavg_workload(b: Bench, spec: dict, flower_py: str | None, flower_why: str
     if not ok:
         b.void = True
     d2 = max_abs_diff(os.path.join(fast_dir, "weights.pt"), os.path.join(ref_dir, "weights.pt"))
-    b.row(w, "plain", ref, "1 process, 1 thread", 0.0)
-    b.row(w, "plain", fast, "1 process, 2 threads", d2)
-    b.row(w, "raysim", rs, "2 hosts x 1 CPU, 1 thread", diff)
-    b.results[w] = {"plain_1t": ref, "plain_2t": fast, "raysim": rs, "equivalence_max_abs_diff": diff}
+    b.row(w, "plain", ref, "1 process, 1 thread", 0.0, steps=steps)
+    b.row(w, "plain", fast, "1 process, 2 threads", d2, steps=steps)
+    b.row(w, "raysim", rs, "2 hosts x 1 CPU, 1 thread", diff, steps=steps)
+    b.results[w] = {"plain_1t": ref, "plain_2t": fast, "raysim": rs, "equivalence_max_abs_diff": diff,
+                    "steps_per_round": steps}
     b.ratio(w, "raysim/plain", median_round(rs) / median_round(fast))
     b.ratio(w, "raysim/plain_1thread", median_round(rs) / median_round(ref))
-    b.ratio(w, "raysim/plain_cpu", median_cpu(rs) / median_cpu(ref))
-    if flower_py is None:
-        b.rows.append({"workload": w, "arm": "flower", "na": f"flower: not available: {flower_why}"})
-        return
-    try:
-        fl, fl_dir = b.flower(spec, flower_py)
-    except RuntimeError as err:
-        b.rows.append({"workload": w, "arm": "flower", "na": f"flower: not available: {err}"})
-        return
-    fdiff = max_abs_diff(os.path.join(fl_dir, "weights.pt"), os.path.join(ref_dir, "weights.pt"))
-    b.row(w, "flower", fl, "2 actors x 1 CPU, 1 thread", fdiff, ray_start=None)
-    b.results[w]["flower"] = fl
-    b.ratio(w, "flower/raysim", median_round(fl) / median_round(rs))
-    b.ratio(w, "flower/raysim_cpu", median_cpu(fl) / median_cpu(rs))
+    b.ratio(w, "raysim/plain_cpu", _div(median_cpu(rs), median_cpu(ref)))
+    per_step_reported = False
+    for arm in EXTERNAL:
+        if arm not in externals:
+            continue
+        py, why = externals[arm]
+        if py is None:
+            b.rows.append({"workload": w, "arm": arm, "na": f"{arm}: not available: {why}"})
+            continue
+        try:
+            if arm == "flower":
+                res, arm_dir = b.flower(spec, py)
+            elif arm == "pfl":
+                res, arm_dir = b.pfl(spec, py, native=b.pfl_native)
+            else:
+                res, arm_dir = b.flgo(spec, py)
+        except RuntimeError as err:
+            b.rows.append({"workload": w, "arm": arm, "na": f"{arm}: not available: {err}"})
+            continue
+        wpath = os.path.join(arm_dir, "weights.pt")
+        adiff = max_abs_diff(wpath, os.path.join(ref_dir, "weights.pt")) if os.path.isfile(wpath) else float("inf")
+        same = adiff <= b.tolerance and res.get("identical", True)
+        b.row(w, arm, res, RESOURCES[arm] + ("" if res.get("mode", "same-computation") == "same-computation"
+                                             else f", {res['mode']}"), adiff, ray_start=None, steps=steps)
+        b.results[w][arm] = res
+        print(f"equivalence {w}: max |w_{arm} - w_plain(1 thread)| = {adiff:.3g} "
+              f"({'OK' if same else 'NOT the same computation: cost per client step reported instead'})", flush=True)
+        if same:
+            b.ratio(w, f"{arm}/raysim", median_round(res) / median_round(rs))
+            b.ratio(w, f"{arm}/raysim_cpu", _div(median_cpu(res), median_cpu(rs)))
+        else:
+            b.notes.append(f"{w} {arm}: final weights differ from the plain loop's by {adiff:.3g} (mode "
+                           f"{res.get('mode', '-')}): no {arm}/raysim ratio; cost per client step "
+                           f"(median round / {steps:g} local SGD steps per round) instead.")
+            b.ratio(w, f"{arm}_ms_per_step", 1000 * median_round(res) / steps)
+            if not per_step_reported:
+                b.ratio(w, "raysim_ms_per_step", 1000 * median_round(rs) / steps)
+                per_step_reported = True
 
 
 def state_bytes_per_client(spec: dict) -> int:
@@ -272,15 +421,21 @@ def cli_first_round(b: Bench, spec: dict) -> None:
     cmd += ["run", path, "--quiet", "--out", run_dir]
     log(f"CLI: {' '.join(cmd[-5:])} (time to the end of round 1)")
     metrics = os.path.join(run_dir, "metrics.parquet")
-    with open(os.path.join(out, "log.txt"), "w", encoding="utf-8") as fh:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-        first = None
-        while p.poll() is None:
-            if first is None and os.path.exists(metrics):
-                first = time.perf_counter() - t0
-            time.sleep(0.02)
-        total = time.perf_counter() - t0
+    if NOISE is not None:
+        NOISE.start()
+    try:
+        with open(os.path.join(out, "log.txt"), "w", encoding="utf-8") as fh:
+            t0 = time.perf_counter()
+            p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+            first = None
+            while p.poll() is None:
+                if first is None and os.path.exists(metrics):
+                    first = time.perf_counter() - t0
+                time.sleep(0.02)
+            total = time.perf_counter() - t0
+    finally:
+        if NOISE is not None:
+            NOISE.stop("raysim run (CLI)")
     if p.returncode != 0:
         raise RuntimeError(f"raysim run failed (exit {p.returncode}); see {out}/log.txt")
     if first is None:
@@ -297,20 +452,22 @@ def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], conditions: list[str] | None = None) -> str:
+    """The results table; ``conditions`` (e.g. --noisy) are printed as lines above its header."""
     head = ("| workload | arm | resources | Ray start s | start-up s | round s (median) | round s (mean) "
-            "| CPU s/round (median) | rounds | test AVG | max abs diff vs plain 1t |")
-    out = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| ms per client step | CPU s/round (median) | rounds | test AVG | max abs diff vs plain 1t |")
+    out = [f"conditions: {c}" for c in conditions or []]
+    out += [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "na" in r:
-            out.append(f"| {r['workload']} | {r['arm']} | {r['na']} | | | | | | | | |")
+            out.append(f"| {r['workload']} | {r['arm']} | {r['na']} | | | | | | | | | |")
             continue
         extra = ""
         if "peak_mib" in r:
             extra = f" (peak {r['peak_mib']:.0f} MiB, state {r['state_mib']:.2f} MiB)"
         out.append(f"| {r['workload']} | {r['arm']} | {r['resources']}{extra} | {fmt(r['ray_start'])} "
                    f"| {fmt(r['startup'])} | {fmt(r['round_median'], '.3f')} | {fmt(r['round_mean'], '.3f')} "
-                   f"| {fmt(r.get('cpu_median'), '.3f')} | {r['rounds']} | {fmt(r['test_avg'], '.4f')} | {fmt(r['diff'], '.2g')} |")
+                   f"| {fmt(r.get('ms_step'), '.2f')} | {fmt(r.get('cpu_median'), '.3f')} | {r['rounds']} | {fmt(r['test_avg'], '.4f')} | {fmt(r['diff'], '.2g')} |")
     return "\n".join(out)
 
 
@@ -324,49 +481,92 @@ def versions() -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="raysim vs the plain loop vs Flower (prints a table and RATIO lines)")
-    p.add_argument("--quick", action="store_true", help="a few minutes: fewer rounds")
-    p.add_argument("--only", default="A,B,C,S", help="comma-separated subset of A,B,C,S (S: CLI start-up)")
+    global NOISE
+    p = argparse.ArgumentParser(description="raysim vs the plain loop, Flower, pfl-research and FLGo "
+                                            "(prints a table, RATIO and TARGET lines)")
+    p.add_argument("--quick", action="store_true", help="a few minutes per workload: 4 rounds each")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of every workload (overrides --quick)")
+    p.add_argument("--only", default="A,B,C,S,D,P",
+                   help="comma-separated subset of A,B,C,D,P,S (S: CLI start-up); default: all")
     p.add_argument("--no-flower", action="store_true", help="skip the Flower arm")
+    p.add_argument("--no-pfl", action="store_true", help="skip the pfl-research arm")
+    p.add_argument("--no-flgo", action="store_true", help="skip the FLGo arm")
+    p.add_argument("--pfl-native", action="store_true",
+                   help="pfl arm: pfl's stock FedAvg (float32 differences, central SGD) instead of the same "
+                        "computation as the plain loop; reported as cost per client step")
+    p.add_argument("--noisy", action="store_true",
+                   help="run a pure-Python busy loop pinned to one CPU during every arm (plain loops included)")
+    p.add_argument("--noisy-cpu", type=int, default=None, help="the CPU --noisy pins to (default 1, or 0 on 1 CPU)")
     p.add_argument("--out", default=None, help="results folder (default runs/bench-<time>)")
-    p.add_argument("--tolerance", type=float, default=1e-6, help="equivalence check: max |w_raysim - w_plain|")
+    p.add_argument("--tolerance", type=float, default=1e-6, help="equivalence check: max |w_arm - w_plain|")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm")
     ns = p.parse_args(argv)
     from raysim.errors import UserError
     only = {w.strip().upper() for w in ns.only.split(",") if w.strip()}
-    if not only <= {"A", "B", "C", "S"}:
-        raise UserError(f"--only {ns.only!r}: expected a comma-separated subset of A,B,C,S")
+    if not only <= {"A", "B", "C", "D", "P", "S"}:
+        raise UserError(f"--only {ns.only!r}: expected a comma-separated subset of A,B,C,D,P,S")
+    if ns.rounds is not None and ns.rounds < 1:
+        raise UserError(f"--rounds {ns.rounds}: expected at least 1")
     out = os.path.abspath(ns.out or os.path.join(REPO, "runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}"))
     os.makedirs(out, exist_ok=True)
-    rounds = {"A": 4, "B": 4, "C": 4} if ns.quick else {"A": 20, "B": 10, "C": 20}
+    rounds = {w: (ns.rounds or (4 if ns.quick else r)) for w, r in ROUNDS.items()}
     b = Bench(out, ns.timeout, ns.tolerance)
+    b.pfl_native = ns.pfl_native
     t0 = time.perf_counter()
     print(f"machine: {versions()}; load average before: {load_average()}", flush=True)
-    if ns.quick:
-        print("quick mode: A 4 rounds, B 4 rounds, C 4 rounds (full: 20, 10, 20)", flush=True)
+    if ns.quick or ns.rounds:
+        print("rounds: " + ", ".join(f"{w} {rounds[w]}" for w in sorted(only - {"S"})) +
+              f" (full: {', '.join(f'{w} {r}' for w, r in ROUNDS.items())})", flush=True)
 
-    flower_py, why = None, "skipped (--no-flower)"
-    if not ns.no_flower and only & {"A", "B"}:
-        flower_py, why = flower_env.ensure(log=log)
-        print(f"flower: {why}" if flower_py else f"flower: not available: {why}", flush=True)
-        b.results["flower_versions"] = why if flower_py else None
+    externals: dict[str, tuple[str | None, str]] = {}
+    for arm, skip, env in (("flower", ns.no_flower, flower_env), ("pfl", ns.no_pfl, pfl_env),
+                           ("flgo", ns.no_flgo, flgo_env)):
+        if skip or not only & set(FEDAVG):
+            continue
+        py, why = env.ensure(log=log)
+        externals[arm] = (py, why)
+        print(f"{arm}: {why}" if py else f"{arm}: not available: {why}", flush=True)
+        b.results[f"{arm}_versions"] = why if py else None
 
     # the data is generated once and cached before any arm is timed
     from raysim.data import load
-    load("digits5", seed=0)
+    for w in sorted(only & set(FEDAVG)) or ["A"]:
+        spec = WORKLOADS[w](1)
+        load(spec["dataset"], seed=int(spec["seed"]), **spec.get("data_options", {}))
 
-    if "A" in only:
-        fedavg_workload(b, workload_a(rounds["A"]), flower_py, why)
-    if "B" in only:
-        fedavg_workload(b, workload_b(rounds["B"]), flower_py, why)
-    if "C" in only:
-        scale_workload(b, rounds["C"])
-    if "S" in only:
-        cli_first_round(b, workload_a(1))
+    conditions = []
+    if ns.noisy:
+        ncpu = os.cpu_count() or 1
+        cpu = ns.noisy_cpu if ns.noisy_cpu is not None else (1 if ncpu > 1 else 0)
+        if not 0 <= cpu < ncpu:
+            raise UserError(f"--noisy-cpu {cpu}: this machine has CPUs 0..{ncpu - 1}")
+        NOISE = Noise(cpu)
+        conditions.append(NOISE.describe() + " (started before and stopped after each arm)")
+        print(f"conditions: {conditions[-1]}", flush=True)
+    try:
+        for w in ("A", "B"):
+            if w in only:
+                fedavg_workload(b, WORKLOADS[w](rounds[w]), externals)
+        if "C" in only:
+            scale_workload(b, rounds["C"])
+        for w in ("D", "P"):
+            if w in only:
+                fedavg_workload(b, WORKLOADS[w](rounds[w]), externals)
+        if "S" in only:
+            cli_first_round(b, workload_a(1))
+    finally:
+        if NOISE is not None:
+            NOISE.stop("interrupted")
+            b.results["noise"] = {"cpu": NOISE.cpu, "per_arm": NOISE.log}
 
     b.results.update(load_after=load_average(), seconds=time.perf_counter() - t0, rows=b.rows,
-                     ratios=[list(r) for r in b.ratios], notes=b.notes, machine=versions(), quick=ns.quick)
-    text = table(b.rows)
+                     ratios=[list(r) for r in b.ratios], notes=b.notes, machine=versions(), quick=ns.quick,
+                     rounds={w: rounds[w] for w in only - {"S"}}, noisy=ns.noisy, pfl_native=ns.pfl_native)
+    if NOISE is not None and NOISE.log:
+        busy = sum(x["noise_cpu_s"] for x in NOISE.log) / max(sum(x["wall_s"] for x in NOISE.log), 1e-9)
+        b.notes.append(f"noise: the busy loop on CPU {NOISE.cpu} ran for {len(NOISE.log)} arms and got "
+                       f"{busy:.2f} CPU s per wall s on average")
+    text = table(b.rows, conditions)
     print()
     print(text)
     for note in b.notes:
@@ -375,12 +575,15 @@ def main(argv=None) -> int:
           f"harness wall time {b.results['seconds']:.0f} s; results in {out}")
     if b.void:
         print("VOID: raysim and the plain loop did not compute the same model; the ratios below are not valid")
-    for w, name, v in b.ratios:
-        print(f"RATIO {w} {name} {v:.3g}")
+    ratio_lines = [f"RATIO {w} {name} {v:.3g}" for w, name, v in b.ratios]
+    targets = target_lines(b.ratios, ns.noisy)
+    for line in ratio_lines + targets:
+        print(line)
+    b.results["targets"] = targets
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as fh:
         json.dump(b.results, fh, indent=1, default=str)
     with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as fh:
-        fh.write(text + "\n\n" + "\n".join(f"RATIO {w} {n} {v:.3g}" for w, n, v in b.ratios) + "\n")
+        fh.write(text + "\n\n" + "\n".join(ratio_lines + targets) + "\n")
     return 1 if b.void else 0
 
 

@@ -1,7 +1,7 @@
-"""The benchmark workloads, as JSON-able specs shared by the three arms (plain, raysim, Flower).
+"""The benchmark workloads, as JSON-able specs shared by every arm (plain, raysim, Flower, pfl, FLGo).
 
 A spec carries exactly what the computation depends on; ``raysim_config`` turns it into a
-raysim config. The model is ``small_cnn`` (146k parameters on 3x32x32) everywhere: the
+raysim config. The model is ``small_cnn`` (146k parameters on 3x32x32) in A, B and C: the
 digits CNN of the papers (``cnn6``, 14M parameters) is too slow for a 2-core CPU benchmark.
 
 * A  cross-silo: FedAvg, digits5, 5 clients (one per domain, each with 743 training images,
@@ -10,6 +10,20 @@ digits CNN of the papers (``cnn6``, 14M parameters) is too slow for a 2-core CPU
      their domain's training split, overlapping across clients), 50 per round, 10 rounds.
 * C  personalized state at scale: FedBN (BN layers stay on the client), like B but with
      100,000 registered clients (and the same run with 1,000), 100 per round.
+* D  overhead-bound: FedAvg, 1,000 clients of 50 training images each, 100 per round, one epoch
+     at batch 10 (5 SGD steps per client), on digits5 rendered at 28 px, with the smallest model
+     of raysim's zoo. The zoo has no logistic regression or MLP (``raysim.models`` registers
+     alexnet, alexnet_fdse, cnn6, densenet121_tv, mnist_cnn, resnet10/18, resnet18/50_tv,
+     small_cnn), so D uses ``small_cnn`` without normalisation layers (115k parameters on
+     3x28x28, ~3.5M multiply-adds per image forward), SGD lr 0.1 (P's): per client the training is a few
+     milliseconds, so the per-client cost of the simulator dominates a round.
+* P  pfl-research's published image-classification setting (its ``benchmarks/image_classification``
+     baseline: CIFAR10 IID, 50 images per user, 1,000 users, cohort 50, local batch 10, 1 local
+     epoch, local SGD lr 0.1, central lr 1.0, uniform weighting, pfl's 2-conv ``simple_cnn``)
+     scaled to this machine: digits5 at 3x32x32 for CIFAR10, raysim's ``small_cnn`` without
+     normalisation layers for pfl's ``simple_cnn`` (1.6M parameters; no norm layers either),
+     FedAvg (n_k-weighted: every client holds 50 images, so it equals pfl's uniform weighting
+     and central lr 1.0), and a few rounds instead of 1,500 central iterations.
 """
 from __future__ import annotations
 
@@ -40,6 +54,26 @@ def workload_c(rounds: int = 10, num_clients: int = 100_000, per_round: int = 10
     return {"name": "C", "method": "fedbn", "rounds": rounds, "seed": 0, "clients_per_round": per_round,
             "dataset": "digits5", "data_options": {}, "partition": cross_device_partition(num_clients),
             "model": dict(MODEL), "train": dict(TRAIN), "eval_clients": 100}
+
+
+def workload_d(rounds: int = 10, num_clients: int = 1000, per_round: int = 100) -> dict:
+    return {"name": "D", "method": "fedavg", "rounds": rounds, "seed": 0, "clients_per_round": per_round,
+            "dataset": "digits5", "data_options": {"image_size": 28},
+            "partition": cross_device_partition(num_clients, samples=50),
+            "model": {"name": "small_cnn", "norm": "none"},
+            "train": {"epochs": 1, "batch_size": 10, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0},
+            "eval_clients": 100}
+
+
+def workload_p(rounds: int = 10, num_clients: int = 1000, per_round: int = 50) -> dict:
+    return {"name": "P", "method": "fedavg", "rounds": rounds, "seed": 0, "clients_per_round": per_round,
+            "dataset": "digits5", "data_options": {}, "partition": cross_device_partition(num_clients, samples=50),
+            "model": {"name": "small_cnn", "norm": "none"},
+            "train": {"epochs": 1, "batch_size": 10, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0},
+            "eval_clients": 100}
+
+
+WORKLOADS = {"A": workload_a, "B": workload_b, "D": workload_d, "P": workload_p}
 
 
 def raysim_config(spec: dict, hosts: int = 2, cpus_per_host: float = 1.0, eval_every: int | None = None,
