@@ -11,12 +11,10 @@ digits CNN of the papers (``cnn6``, 14M parameters) is too slow for a 2-core CPU
 * C  personalized state at scale: FedBN (BN layers stay on the client), like B but with
      100,000 registered clients (and the same run with 1,000), 100 per round.
 * D  overhead-bound: FedAvg, 1,000 clients of 50 training images each, 100 per round, one epoch
-     at batch 10 (5 SGD steps per client), on digits5 rendered at 28 px, with the smallest model
-     of raysim's zoo. The zoo has no logistic regression or MLP (``raysim.models`` registers
-     alexnet, alexnet_fdse, cnn6, densenet121_tv, mnist_cnn, resnet10/18, resnet18/50_tv,
-     small_cnn), so D uses ``small_cnn`` without normalisation layers (115k parameters on
-     3x28x28, ~3.5M multiply-adds per image forward), SGD lr 0.1 (P's): per client the training is a few
-     milliseconds, so the per-client cost of the simulator dominates a round.
+     at batch 10 (5 SGD steps per client), on digits5 rendered at 28 px, with raysim's two-layer
+     MLP (``mlp``: 200 hidden units, no norm; 472k parameters on 3x28x28 but only ~0.47M
+     multiply-adds per image), SGD lr 0.1 (P's): per client the training is about a millisecond,
+     so the per-client cost of the simulator dominates a round.
 * P  pfl-research's published image-classification setting (its ``benchmarks/image_classification``
      baseline: CIFAR10 IID, 50 images per user, 1,000 users, cohort 50, local batch 10, 1 local
      epoch, local SGD lr 0.1, central lr 1.0, uniform weighting, pfl's 2-conv ``simple_cnn``)
@@ -60,7 +58,7 @@ def workload_d(rounds: int = 10, num_clients: int = 1000, per_round: int = 100) 
     return {"name": "D", "method": "fedavg", "rounds": rounds, "seed": 0, "clients_per_round": per_round,
             "dataset": "digits5", "data_options": {"image_size": 28},
             "partition": cross_device_partition(num_clients, samples=50),
-            "model": {"name": "small_cnn", "norm": "none"},
+            "model": {"name": "mlp", "norm": "none"},
             "train": {"epochs": 1, "batch_size": 10, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0},
             "eval_clients": 100}
 

@@ -22,6 +22,7 @@ resnet50_tv     torchvision (gPerXAN, FDSE Table A8)        3x224x224       bn
 densenet121_tv  torchvision layout (gPerXAN Camelyon17)     3x224x224 (96)  bn
 mnist_cnn       CSAC Rotated MNIST (2 conv + 2 FC)          1x28x28         none
 small_cnn       cross-device CNN, ~0.1M parameters          3x32x32 (28)    bn
+mlp             two-layer MLP (hidden 0: logistic reg.)     1x28x28         none
 ==============  ==========================================  ==============  ===========
 """
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
@@ -34,6 +35,7 @@ from raysim.models.pretrained import load_pretrained
 from raysim.models import alexnet as _alexnet  # noqa: E402,F401
 from raysim.models import cnn as _cnn  # noqa: E402,F401
 from raysim.models import densenet_tv as _densenet_tv  # noqa: E402,F401
+from raysim.models import mlp as _mlp  # noqa: E402,F401
 from raysim.models import resnet_cifar as _resnet_cifar  # noqa: E402,F401
 from raysim.models import resnet_tv as _resnet_tv  # noqa: E402,F401
 

@@ -22,7 +22,7 @@ def test_new_workloads_are_valid_raysim_configs():
         assert cfg.method == "fedavg" and cfg.clients_per_round == per_round
         assert cfg.data.partition["num_clients"] == 1000 and cfg.data.partition["samples_per_client"] == 50
         assert cfg.train.batch_size == 10 and cfg.eval.every == 3
-        assert spec["model"] == {"name": "small_cnn", "norm": "none"}
+        assert spec["model"] == {"name": "mlp" if make is workload_d else "small_cnn", "norm": "none"}
     assert raysim_config(workload_d()).data.options["image_size"] == 28
     assert set(WORKLOADS) == {"A", "B", "D", "P"}
 

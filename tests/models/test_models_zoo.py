@@ -19,13 +19,14 @@ EXACT_PARAMS = {
     "densenet121_tv": (6_964_106, "torchvision densenet121 (7,978,856) with a 10-class head"),
     "mnist_cnn": (3_274_634, "CSAC spec [rec] widths (paper gives none)"),
     "small_cnn": (145_930, "raysim's own cross-device CNN at 3x32x32"),
+    "mlp": (159_010, "784 x 200 + 200 + 200 x 10 + 10 [computed]"),
 }
 
 PAPER_INPUT = {
     "cnn6": (3, 28, 28), "alexnet": (3, 256, 256), "alexnet_fdse": (3, 256, 256),
     "resnet10": (3, 32, 32), "resnet18": (3, 32, 32), "resnet18_tv": (3, 224, 224),
     "resnet50_tv": (3, 224, 224), "densenet121_tv": (3, 224, 224), "mnist_cnn": (1, 28, 28),
-    "small_cnn": (3, 32, 32),
+    "small_cnn": (3, 32, 32), "mlp": (1, 28, 28),
 }
 
 
@@ -103,6 +104,14 @@ def test_digit_cnns_are_input_size_aware(name, size, flat):
     assert model(torch.randn(2, 3, size, size)).shape == (2, 10)
 
 
+def test_mlp_is_logistic_regression_without_hidden_units():
+    lr = build("mlp", in_channels=3, input_size=28, hidden=0)
+    assert count_params(lr) == 3 * 28 * 28 * 10 + 10 and lr.feature_dim == 3 * 28 * 28
+    assert isinstance(build("mlp", norm="bn").features.bn1, nn.BatchNorm1d)
+    with pytest.raises(UserError, match="hidden"):
+        build("mlp", hidden=-1)
+
+
 def test_cifar_resnet_runs_at_28():
     # DapperFL trains at 32 px but measured ResNet-18's FLOPs at 28 px.
     model = build("resnet10", input_size=28).eval()
@@ -113,7 +122,7 @@ def test_cifar_resnet_runs_at_28():
 def test_feature_dims(zoo):
     dims = {"cnn6": 512, "alexnet": 4096, "alexnet_fdse": 1024, "resnet10": 512, "resnet18": 512,
             "resnet18_tv": 512, "resnet50_tv": 2048, "densenet121_tv": 1024, "mnist_cnn": 1024,
-            "small_cnn": 64}
+            "small_cnn": 64, "mlp": 200}
     assert {name: model.feature_dim for name, model in zoo.items()} == dims
 
 
