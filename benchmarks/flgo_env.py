@@ -14,8 +14,7 @@ from benchmarks import venvs
 
 VENV = os.path.join(venvs.HERE, ".venv-flgo")
 FLGO_PIN = "flgo==0.3.29"
-TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
-PACKAGES = [FLGO_PIN, *TORCH]
+PACKAGES = [FLGO_PIN, *venvs.TORCH]
 CHECK = ("import warnings; warnings.simplefilter('ignore'); "
          "from importlib.metadata import version; import flgo, torch, raysim.models; "
          "import flgo.algorithm.fedavg, flgo.algorithm.fedprox, flgo.algorithm.scaffold, "
@@ -27,16 +26,9 @@ def python(venv: str = VENV) -> str:
     return venvs.python(venv)
 
 
-def _versions(stdout: str) -> str:
-    parts = stdout.split()
-    if len(parts) >= 2:
-        return f"flgo {parts[-2]}, torch {parts[-1]}"
-    return stdout.strip()
-
-
 def side_venv(venv: str = VENV) -> venvs.SideVenv:
-    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=_versions, label="FLGo",
-                          fallbacks=[["flgo", *TORCH]])
+    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=venvs.versions_line('flgo', 'torch'), label="FLGo",
+                          fallbacks=[["flgo", *venvs.TORCH]])
 
 
 def ensure(venv: str = VENV, log=print, timeout: float = 1800) -> tuple[str | None, str]:

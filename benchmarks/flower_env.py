@@ -16,7 +16,7 @@ HERE = venvs.HERE
 REPO = venvs.REPO
 VENV = os.path.join(HERE, ".venv-flwr")
 MARKER = venvs.MARKER
-PACKAGES = ["flwr[simulation]", "torch==2.14.1", "torchvision==0.29.1"]
+PACKAGES = ["flwr[simulation]", *venvs.TORCH]
 CHECK = "import flwr, ray, torch, raysim.models, raysim.data; print(flwr.__version__, ray.__version__, torch.__version__)"
 _last_error = venvs.last_error
 
@@ -25,15 +25,8 @@ def python(venv: str = VENV) -> str:
     return venvs.python(venv)
 
 
-def _versions(stdout: str) -> str:
-    parts = stdout.split()
-    if len(parts) >= 3:
-        return f"flwr {parts[0]}, ray {parts[1]}, torch {parts[2]}"
-    return stdout.strip()
-
-
 def side_venv(venv: str = VENV) -> venvs.SideVenv:
-    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=_versions, label="Flower")
+    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=venvs.versions_line("flwr", "ray", "torch"), label="Flower")
 
 
 def ensure(venv: str = VENV, log=print, timeout: float = 1800) -> tuple[str | None, str]:

@@ -16,8 +16,7 @@ from benchmarks import venvs
 
 VENV = os.path.join(venvs.HERE, ".venv-pfl")
 PFL_PIN = "pfl==0.6.0"
-TORCH = ["torch==2.14.1", "torchvision==0.29.1"]
-PACKAGES = [PFL_PIN, *TORCH]
+PACKAGES = [PFL_PIN, *venvs.TORCH]
 CHECK = ("import warnings; warnings.simplefilter('ignore'); "
          "from importlib.metadata import version; import torch, raysim.models, raysim.data; "
          "import pfl.algorithm, pfl.aggregate.simulate, pfl.data.federated_dataset, pfl.hyperparam; "
@@ -28,16 +27,9 @@ def python(venv: str = VENV) -> str:
     return venvs.python(venv)
 
 
-def _versions(stdout: str) -> str:
-    parts = stdout.split()
-    if len(parts) >= 2:
-        return f"pfl {parts[-2]}, torch {parts[-1]}"
-    return stdout.strip()
-
-
 def side_venv(venv: str = VENV) -> venvs.SideVenv:
-    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=_versions, label="pfl-research",
-                          fallbacks=[["pfl", *TORCH]])
+    return venvs.SideVenv(path=venv, installs=[PACKAGES], check=CHECK, describe=venvs.versions_line('pfl', 'torch'), label="pfl-research",
+                          fallbacks=[["pfl", *venvs.TORCH]])
 
 
 def ensure(venv: str = VENV, log=print, timeout: float = 1800) -> tuple[str | None, str]:

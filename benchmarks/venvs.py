@@ -18,6 +18,17 @@ from typing import Callable, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MARKER = ".raysim-bench-ready"
+TORCH = ["torch==2.14.1", "torchvision==0.29.1"]  # the project's versions, in every side venv
+
+
+def versions_line(*names: str) -> Callable[[str], str]:
+    """A ``describe`` for a check that prints one version per name, last: "flgo X, torch Y"."""
+    def describe(stdout: str) -> str:
+        parts = stdout.split()
+        if len(parts) < len(names):
+            return stdout.strip()
+        return ", ".join(f"{n} {v}" for n, v in zip(names, parts[-len(names):]))
+    return describe
 
 
 def python(venv: str) -> str:
