@@ -29,10 +29,6 @@ def shares_line(name: str, cls) -> str:
     return getattr(cls, "shares", "") or _derived_line(cls)
 
 
-# ----------------------------------------------------------------------------- tables
-
-
-
 # ----------------------------------------------------------------------------- configs
 
 def _config_root() -> str:

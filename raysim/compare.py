@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 
 from raysim.errors import UserError
-from raysim.report import (AGGREGATES, markdown_table, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
-                           method_dirs, save_figure, seed_dirs, summarize)
+from raysim.report import (AGGREGATES, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
+                           markdown_table, method_dirs, save_figure, seed_dirs, summarize)
 
 
 @dataclass
