@@ -92,6 +92,12 @@ class RuntimeConfig:
     # federations of one run (methods x held-out domains) run at once; None: as many as the
     # cluster's free CPUs and GPUs fit, each with its own placement group
     parallel_federations: int | None = setting(None, ge=1)
+    # "steal": a host whose own clients are done takes sampled clients still queued on a busy one,
+    # when the client's stored state is at most steal_state_mb (it travels through the object store;
+    # its data view is rebuilt on the host that trains it); results are identical either way.
+    # "owner": every client trains on its own host (client k on host k mod H)
+    balance: str = setting("steal", one_of=("steal", "owner"))
+    steal_state_mb: float = setting(4.0, ge=0)
 
 
 @dataclass

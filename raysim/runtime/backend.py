@@ -41,6 +41,11 @@ class RayActors:
         from raysim.runtime.cluster import ray_get
         return ray_get(refs)
 
+    def wait(self, refs: list) -> tuple[list, list]:
+        """(the refs done, the others) as soon as at least one is done."""
+        import ray
+        return ray.wait(refs, num_returns=1)
+
     def alive(self, actor) -> bool:
         from raysim.runtime.cluster import alive
         return alive(actor)
@@ -60,6 +65,10 @@ class _Done:
 
 
 def _value(x):
+    """A call's argument as the callee sees it: a reference's value (also inside a list, where
+    a Ray callee would fetch it itself)."""
+    if isinstance(x, list) and any(isinstance(e, _Done) for e in x):
+        return [_value(e) for e in x]
     return x.value if isinstance(x, _Done) else x
 
 
@@ -115,6 +124,9 @@ class InProcess(RayActors):
 
     def get(self, refs):
         return [_value(r) for r in refs] if isinstance(refs, list) else _value(refs)
+
+    def wait(self, refs: list) -> tuple[list, list]:
+        return list(refs), []
 
     def alive(self, actor) -> bool:
         return True

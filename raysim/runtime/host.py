@@ -22,7 +22,7 @@ from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.clientdata import device_budget, keep_on_device
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
-from raysim.runtime.store import ClientStateStore
+from raysim.runtime.store import ClientStateStore, state_nbytes
 from raysim.tensors import tensors_nbytes
 from raysim.training import evaluate
 
@@ -81,7 +81,7 @@ class ClientHost:
         torch.set_num_threads(threads)
         self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
         self.fed = Federation(cfg)
-        self.client_ids = list(range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts))
+        self.client_ids = range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts)
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -103,6 +103,7 @@ class ClientHost:
                 self.data[cid]
         spill = os.path.join(rt.spill_dir, f"host-{host_id}") if rt.spill_dir else None
         self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill)
+        self._partial = None  # the round's running result (train_clients .. end_round)
         return self.ready()
 
     def _client_data(self, cid: int) -> ClientData:
@@ -116,7 +117,10 @@ class ClientHost:
     # ------------------------------------------------------------------ state
     def _record(self, cid: int) -> dict:
         """The client's stored record; a client's first one holds its initial state."""
-        record = self.store.get(cid)
+        return self._initial_record(cid, self.store.get(cid))
+
+    def _initial_record(self, cid: int, record: dict | None) -> dict:
+        """``record``, or (None: the client has no state yet) its initial one."""
         if record is None:
             self.model.load_state_dict(self._init_sd)
             record = {"state": self.method.init_client_state(cid, self.model)}
@@ -133,47 +137,96 @@ class ClientHost:
 
     # ------------------------------------------------------------------ a round
     def train_round(self, rnd: int, payload_box: list, client_ids: list[int], personal_boxes: dict | None = None):
-        """Run the local step of each listed client (ascending id); return the host's partial
-        result (the method's aggregator), the clients' metrics and the bytes they sent."""
+        """Run the local step of each listed client (ascending id) and return the host's partial
+        result: :meth:`train_clients` then :meth:`end_round`, for a round without balancing."""
+        self.train_clients(rnd, payload_box, client_ids, personal_boxes)
+        return self.end_round(rnd)
+
+    def train_clients(self, rnd: int, payload_box: list, client_ids: list[int], personal_boxes: dict | None = None,
+                      moved_records: list | None = None) -> dict:
+        """Train some of the round's clients (ascending id), folding their uploads into the host's
+        partial result of the round (returned by :meth:`end_round`).
+
+        ``moved_records``: the listed clients are owned by another host (work stealing): each
+        trains from its record in ``moved_records[0]`` (a ref to ``{client id: record}`` from the
+        owner's :meth:`export_records`; a client missing there has no state yet) and its new record
+        comes back in the result's ``records`` for the owner, instead of staying here.
+        Returns the clients' stored-state sizes (``state_bytes``) and the seconds spent."""
         import ray
-        payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
-        personal_boxes = personal_boxes or {}
-        aggregator = self.method.aggregator
-        partial = aggregator.start()
-        personal = WeightedMean().start() if self._personal_keys else None
-        metrics: dict[int, dict] = {}
-        bytes_up = 0
         t0 = time.perf_counter()
+        part = self._round_partial(rnd, payload_box)
+        personal_boxes = personal_boxes or {}
+        moved = None
+        if moved_records is not None:
+            moved = ray.get(moved_records[0]) if _is_ref(moved_records[0]) else (moved_records[0] or {})
+        out: dict = {"host": self.host_id, "state_bytes": {}, "records": {}}
         for cid in sorted(client_ids):
-            mine = _client_payload(payload, personal_boxes.get(cid))
+            mine = _client_payload(part["payload"], personal_boxes.get(cid))
             if self._clocked:
                 foot = self.method.client_footprint(cid, self._dense)
                 if not fits_memory(self.fed.profile(cid), foot["params"]):  # it cannot train this model
-                    metrics[cid] = {"completed": 0.0, "dropped_memory": 1.0}
+                    part["metrics"][cid] = {"completed": 0.0, "dropped_memory": 1.0}
                     continue
-            record = self._record(cid)
+            record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
             self.method.load_client_model(self.model, mine, record["state"])
             ctx = self._context(cid, rnd, mine, record["state"])
             up = self.method.local_update(ctx)
             record = {"state": ctx.state}
             if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
                 record["trained"] = self.method.post_train_state(ctx)
-            self.store.put(cid, record)
-            metrics[cid] = dict(up.metrics)
+            if moved is None:
+                self.store.put(cid, record)
+            else:
+                out["records"][cid] = record
+            out["state_bytes"][cid] = state_nbytes(record)
+            metrics = part["metrics"][cid] = dict(up.metrics)
             sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
-            bytes_up += sent
-            if self._clocked:
-                late = self._clock(cid, ctx, foot, tensors_nbytes(mine), sent, metrics[cid])
-                if late:  # dropped from the aggregate: the server stopped waiting at the deadline
-                    continue
-            aggregator.add(partial, cid, up)
-            if personal is not None:  # for the global model only (Method.global_eval_model)
+            part["bytes_up"] += sent
+            if self._clocked and self._clock(cid, ctx, foot, tensors_nbytes(mine), sent, metrics):
+                continue  # dropped from the aggregate: the server stopped waiting at the deadline
+            self.method.aggregator.add(part["partial"], cid, up)
+            if part["personal"] is not None:  # for the global model only (Method.global_eval_model)
                 sd = self.model.state_dict()
-                WeightedMean().add(personal, cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
-        eval_bytes = len(client_ids) * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
+                WeightedMean().add(part["personal"], cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
+        part["clients"] += len(client_ids)
+        out["seconds"] = time.perf_counter() - t0
+        part["seconds"] += out["seconds"]
+        return out
+
+    def _round_partial(self, rnd: int, payload_box: list) -> dict:
+        """The host's running result of round ``rnd`` (begun by its first :meth:`train_clients`)."""
+        part = self._partial
+        if part is None or part["round"] != rnd:
+            import ray
+            payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
+            part = self._partial = {
+                "round": rnd, "payload": payload, "partial": self.method.aggregator.start(),
+                "personal": WeightedMean().start() if self._personal_keys else None,
+                "metrics": {}, "bytes_up": 0, "clients": 0, "seconds": 0.0}
+        return part
+
+    def end_round(self, rnd: int) -> dict:
+        """The host's partial result of round ``rnd`` (the method's aggregator), its clients' metrics
+        and the bytes they sent; an empty partial when it trained nobody this round."""
+        part = self._partial if self._partial is not None and self._partial["round"] == rnd else None
+        self._partial = None
+        if part is None:
+            part = {"partial": self.method.aggregator.start(), "personal": None, "metrics": {},
+                    "bytes_up": 0, "clients": 0, "seconds": 0.0}
+        eval_bytes = part["clients"] * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
                                            for k in self._personal_keys)
-        return {"host": self.host_id, "partial": partial, "personal": personal, "metrics": metrics,
-                "bytes_up": bytes_up, "bytes_up_eval": eval_bytes, "seconds": time.perf_counter() - t0}
+        return {"host": self.host_id, "partial": part["partial"], "personal": part["personal"],
+                "metrics": part["metrics"], "bytes_up": part["bytes_up"], "bytes_up_eval": eval_bytes,
+                "seconds": part["seconds"]}
+
+    def export_records(self, client_ids: list[int]) -> dict[int, dict]:
+        """The stored records of those listed clients that have one, for another host to train them."""
+        out = {}
+        for cid in client_ids:
+            record = self.store.get(cid)
+            if record is not None:
+                out[cid] = record
+        return out
 
     def _clock(self, cid: int, ctx: ClientContext, foot: dict, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
         """The client's simulated round (compute from its steps x batch x model FLOPs at its
@@ -247,9 +300,12 @@ class ClientHost:
         """Every client's stored record (spilled ones included), for a checkpoint."""
         return dict(self.store.items())
 
-    def import_states(self, states: dict[int, dict]) -> None:
+    def import_states(self, states: dict[int, dict]) -> dict[int, int]:
+        """Store these clients' records (a checkpoint's, or those trained on another host);
+        returns their sizes in bytes (the driver keeps clients with large state on their host)."""
         for cid, state in states.items():
             self.store.put(int(cid), state)
+        return {int(cid): state_nbytes(state) for cid, state in states.items()}
 
     def memory(self) -> dict:
         import resource

@@ -18,6 +18,7 @@ from raysim.config import dump_yaml, host_layout
 from raysim.errors import RunFailed
 from raysim.metrics import MetricsLog
 from raysim.runtime.backend import RayActors
+from raysim.runtime.balance import plan_for
 from raysim.runtime.cluster import first_line, owner_of
 from raysim.runtime.seeding import SERVER, rng_for
 
@@ -62,6 +63,9 @@ class FederationRun:
         self._unawaited = []  # start() refs of hosts launched before the server was ready
         self.log = MetricsLog()
         self.host_restarts = 0
+        # runtime.balance: how a round's clients are spread over the hosts (raysim.runtime.balance)
+        self.plan = plan_for(cfg)
+        self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> MethodRun:
@@ -143,10 +147,15 @@ class FederationRun:
         cfg, server = self.cfg, self.server
         sampled = self._call(server.sample.remote(rnd))
         payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
-        futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
-                                                    {c: personal[c] for c in cids if c in personal})
-                   for h, cids in split_by_host(sampled, self.owner).items()]
-        summary = self._call(server.aggregate.remote(rnd, *futures))
+        if self.plan is None or len(self.hosts) == 1:
+            futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
+                                                        {c: personal[c] for c in cids if c in personal})
+                       for h, cids in split_by_host(sampled, self.owner).items()]
+            summary = self._call(server.aggregate.remote(rnd, *futures))
+        else:
+            futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
+            summary = self._call(server.aggregate.remote(rnd, *futures))
+            self._call(returned)  # moved clients' records are back on their owners before anyone reads them
         results = None
         if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
             personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
@@ -162,6 +171,43 @@ class FederationRun:
         self.log.add_round(rnd, summary, self.domain_of)
         evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
         return summary, evaluation
+
+    def _train_balanced(self, rnd: int, sampled: list[int], payload_box: list, personal: dict):
+        """Train the round's clients in chunks handed to hosts as they free up (``self.plan``);
+        returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
+        limit = self.cfg.runtime.steal_state_mb * 2**20
+        plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
+                         lambda c: self.state_bytes.get(c, 0) <= limit)
+        # the records a thief may need, read from each owner before its first chunk (so a busy owner
+        # never holds a thief up); clients without a record start from their initial state anywhere
+        exports = {h: [self.hosts[h].export_records.remote(cids)]
+                   for h, q in plan.queues.items()
+                   if (cids := [c for c in q if c in self.state_bytes and plan.movable(c)])}
+        running: dict = {}  # ref -> (host, owner)
+        returned = []
+
+        def feed(h: int) -> None:
+            while True:
+                owner, cids = plan.next_chunk(h, sum(1 for host, _ in running.values() if host == h))
+                if not cids:
+                    return
+                moved = None if owner == h else exports.get(owner, [None])
+                ref = self.hosts[h].train_clients.remote(rnd, payload_box, cids,
+                                                         {c: personal[c] for c in cids if c in personal}, moved)
+                running[ref] = (h, owner)
+
+        for h in range(len(self.hosts)):
+            feed(h)
+        while running:
+            ready, _ = self.backend.wait(list(running))
+            for ref in ready:
+                h, owner = running.pop(ref)
+                done = self._call(ref)
+                self.state_bytes.update(done["state_bytes"])
+                if done["records"]:
+                    returned.append(self.hosts[owner].import_states.remote(done["records"]))
+                feed(h)
+        return [host.end_round.remote(rnd) for host in self.hosts], returned
 
     def _call(self, refs):
         """The results of ``refs``, telling a lost host (recoverable) from a lost server (resume later)."""
@@ -192,6 +238,7 @@ class FederationRun:
         return self._restore(ckpt)
 
     def _restore(self, ckpt: dict | None) -> int:
+        self.state_bytes = {}
         if ckpt is None:
             self.log = MetricsLog()
             return 0
@@ -199,7 +246,8 @@ class FederationRun:
         by_host: dict[int, dict] = {}
         for cid, record in ckpt["clients"].items():
             by_host.setdefault(self.owner(cid), {})[cid] = record
-        self.backend.get([self.hosts[h].import_states.remote(records) for h, records in by_host.items()])
+        for sizes in self.backend.get([self.hosts[h].import_states.remote(records) for h, records in by_host.items()]):
+            self.state_bytes.update(sizes)
         self.log = MetricsLog.from_table(ckpt["metrics"])
         return ckpt["round"]
 

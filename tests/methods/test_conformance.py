@@ -1,7 +1,8 @@
 """Every registered method against the engine's promises, on a tiny federation in this process
 (the real round loop, Server and ClientHost; raysim.runtime.backend.InProcess instead of actors):
 
-* two rounds give identical metrics with 1 host, 2 hosts and one client per host;
+* two rounds give identical metrics with 1 host, 2 hosts and one client per host, and with every
+  client trained on another host than its own (its record moved there and back: work stealing);
 * a round leaves torch's, numpy's and Python's global random state untouched;
 * every client's stored state round-trips through ``torch.load(weights_only=True)``;
 * the ``global`` and ``lodo`` protocols run and score the unseen domain.
@@ -20,6 +21,7 @@ from raysim.config import load_config
 from raysim.experiment import federation
 from raysim.methods import registry
 from raysim.runtime.backend import InProcess
+from raysim.runtime.balance import ElsewherePlan
 from raysim.runtime.loop import Callback
 
 TINY = {
@@ -34,9 +36,12 @@ TINY = {
 }
 
 
-def run_tiny(method, out, *overrides):
+def run_tiny(method, out, *overrides, plan=None):
     cfg = load_config(raw={**TINY, "method": method}, overrides=list(overrides))
-    federation(cfg, str(out), progress=False, backend=InProcess()).run()
+    fed = federation(cfg, str(out), progress=False, backend=InProcess())
+    if plan is not None:
+        fed.plan = plan
+    fed.run()
     return pq.read_table(os.path.join(out, "metrics.parquet")).to_pandas()
 
 
@@ -54,6 +59,8 @@ def test_method_conforms(method, tmp_path, ray_session):
     layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=2"],
                ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
     frames = [run_tiny(method, tmp_path / f"layout{i}", *layout) for i, layout in enumerate(layouts)]
+    # and whichever host trains a client: each on the host after its owner, its record moving both ways
+    frames.append(run_tiny(method, tmp_path / "elsewhere", "runtime.num_hosts=2", plan=ElsewherePlan))
     for other in frames[1:]:
         assert other.equals(frames[0])
     pooled = registry.get(method).pools_clients  # one client holding every client's data (DeepAll)

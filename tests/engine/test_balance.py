@@ -1,0 +1,64 @@
+"""Work stealing between hosts (raysim.runtime.balance): the plan hands out chunks as the
+description says, and which host trains a client never changes the results (real Ray actors,
+records through the object store)."""
+import os
+
+import pyarrow.parquet as pq
+
+from raysim.config import load_config
+from raysim.experiment import federation
+from raysim.runtime.balance import ElsewherePlan, StealingPlan
+
+TINY = {
+    "method": "fedbn", "rounds": 3, "seed": 5, "clients_per_round": 4,
+    "data": {"dataset": "digits5", "options": {"image_size": 16},
+             "partition": {"kind": "per_domain", "train_size": 16, "clients_per_domain": 2,
+                           "domains": ["mnist", "usps", "svhn"]}},
+    "model": {"name": "small_cnn", "norm": "bn"},
+    "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+    "eval": {"every": 1, "splits": ["test"]},
+    "runtime": {"num_hosts": 2},
+}
+
+
+def test_a_host_drains_its_own_queue_in_shrinking_chunks_then_steals_movable_clients():
+    sticky = {10, 12}
+    plan = StealingPlan(1, {0: [0, 2, 4, 6, 8, 10, 12, 14], 1: [1]}, 2, lambda c: c not in sticky)
+    assert plan.next_chunk(0, 0) == (0, [0, 2])  # a quarter of 8
+    assert plan.next_chunk(0, 1) == (0, [4, 6])  # a quarter of 6, rounded up
+    assert plan.next_chunk(0, 2) == (None, [])  # two chunks in flight: it waits
+    assert plan.next_chunk(1, 0) == (1, [1])
+    assert plan.next_chunk(1, 1) == (None, [])  # own queue empty but still busy: no stealing yet
+    # idle: half of host 0's movable queued clients (8, 14), from the tail; 10 and 12 stay
+    assert plan.next_chunk(1, 0) == (0, [14])
+    assert plan.next_chunk(1, 0) == (0, [8])
+    assert plan.next_chunk(1, 0) == (None, [])  # only sticky clients left on host 0
+    assert list(plan.queues[0]) == [10, 12]
+    assert plan.next_chunk(0, 0) == (0, [10])
+
+
+def test_elsewhere_plan_trains_every_client_on_the_next_host():
+    plan = ElsewherePlan(2, {0: [0, 2], 1: [1]}, 2, lambda c: False)  # moves even sticky clients
+    assert plan.next_chunk(0, 0) == (1, [1])
+    assert plan.next_chunk(1, 0) == (0, [0, 2])
+    assert plan.next_chunk(1, 0) == (None, [])
+
+
+def _run(tmp_path, name, *overrides, plan=None):
+    cfg = load_config(raw=TINY, overrides=list(overrides))
+    fed = federation(cfg, str(tmp_path / name), progress=False)
+    if plan is not None:
+        fed.plan = plan
+    fed.run()
+    return pq.read_table(os.path.join(tmp_path, name, "metrics.parquet")).to_pandas()
+
+
+def test_the_same_results_whichever_host_trains_a_client(ray_session, tmp_path):
+    pinned = _run(tmp_path, "owner", "runtime.balance=owner")
+    # every client on the host after its owner: FedBN's BN state read from the owner and returned
+    moved = _run(tmp_path, "elsewhere", plan=ElsewherePlan)
+    stealing = _run(tmp_path, "steal")  # the default: whatever the timing gives
+    post_train = _run(tmp_path, "elsewhere-post", "eval.point=post_train", plan=ElsewherePlan)
+    pinned_post = _run(tmp_path, "owner-post", "eval.point=post_train", "runtime.balance=owner")
+    assert len(pinned) and pinned.equals(moved) and pinned.equals(stealing)
+    assert pinned_post.equals(post_train)
