@@ -9,7 +9,7 @@
 ~10, plus 1-3 minutes the first time to install each side venv with pip.)
 
 Workloads (``benchmarks/workloads.py``): A cross-silo FedAvg, 5 clients; B cross-device FedAvg,
-1,000 clients, 50 per round; C FedBN with 100,000 registered clients vs 1,000, 100 per round;
+1,000 clients, 50 per round; C FedBN with 1,000,000 registered clients vs 1,000, 100 per round;
 D overhead-bound FedAvg, a tiny model, 1,000 clients, 100 per round, batch 10; P pfl-research's
 published image-classification setting scaled to this machine (1,000 clients, 50 per round,
 batch 10). Every arm runs in its own process, one after the other (never two Ray instances at once):
@@ -67,8 +67,9 @@ TARGETS = {
     ("A", "flgo/raysim", False): (">=", 1.0), ("B", "flgo/raysim", False): (">=", 1.0),
     ("D", "flgo/raysim", False): (">=", 1.0),
     ("B", "raysim/plain_1thread", True): ("<=", 0.85),
-    ("C", "rounds_100k/1k", False): ("<=", 1.25), ("C", "mem_over_budget", False): ("<=", 1.0),
-    ("S", "first_round_s/10s", False): ("<=", 1.0),
+    ("C", "rounds_1m/1k", False): ("<=", 1.25), ("C", "startup_1m/1k", False): ("<=", 1.5),
+    ("C", "mem_over_budget", False): ("<=", 1.0),
+    ("S", "first_round_s/8s", False): ("<=", 1.0),
 }
 FEDAVG = ("A", "B", "D", "P")  # the workloads every FedAvg arm runs
 EXTERNAL = ("flower", "pfl", "flgo")
@@ -367,7 +368,11 @@ def clients_with_state(spec: dict) -> int:
     return len(seen)
 
 
-def scale_workload(b: Bench, rounds: int, big: int = 100_000, small: int = 1_000) -> None:
+def scale_workload(b: Bench, rounds: int, big: int = 1_000_000, small: int = 1_000,
+                   store_clients: int = 100_000) -> None:
+    """C: the same FedBN federation with ``big`` and ``small`` registered clients (100 train per
+    round): round time, start-up and memory must not grow with the registrations; then the
+    client-state store's memory with ``store_clients`` clients' states."""
     res = {}
     for n in (small, big):
         spec = workload_c(rounds=rounds, num_clients=n)
@@ -390,18 +395,22 @@ def scale_workload(b: Bench, rounds: int, big: int = 100_000, small: int = 1_000
         f"{g['state_bytes_per_client']} B (FedBN's BN tensors) = {g['state_bytes'] / 2**20:.2f} MiB; "
         f"budget = base + 1.5 x state = {budget / 2**20:.0f} MiB. Before round 1: "
         f"{s['rss_before_rounds'] / 2**20:.0f} MiB ({small:,}) vs {g['rss_before_rounds'] / 2**20:.0f} MiB ({big:,}).")
-    b.ratio("C", "rounds_100k/1k", median_round(g) / median_round(s))
-    b.ratio("C", "rounds_100k/1k_cpu", median_cpu(g) / median_cpu(s))
+    b.ratio("C", "rounds_1m/1k", median_round(g) / median_round(s))
+    b.ratio("C", "rounds_1m/1k_cpu", median_cpu(g) / median_cpu(s))
     b.ratio("C", "mem_over_budget", g["peak_rss"] / budget)
-    b.ratio("C", "startup_100k/1k", g["startup_seconds"] / s["startup_seconds"])
-    log(f"C: raysim's client-state store with {big:,} FedBN states (RSS growth vs state bytes)")
+    b.ratio("C", "startup_1m/1k", g["startup_seconds"] / s["startup_seconds"])
+    # the store holds states, not registrations: its cost per state is measured on store_clients
+    # states (a federation of 1,000,000 registered clients holds only those that trained)
+    log(f"C: raysim's client-state store with {store_clients:,} FedBN states (RSS growth vs state bytes)")
     out = os.path.join(b.out, "C-store")
-    st = run_arm("store", [sys.executable, os.path.join(HERE, "store_mem.py"), str(big), out], out, b.timeout)
+    st = run_arm("store", [sys.executable, os.path.join(HERE, "store_mem.py"), str(store_clients), out], out,
+                 b.timeout)
     b.results["C"]["store"] = st
     b.notes.append(f"C store: {st['clients']:,} FedBN client states ({st['tensors_per_client']} tensors each) "
                    f"hold {st['state_bytes'] / 2**20:.1f} MiB of state and grow the host's RSS by "
                    f"{st['rss_growth'] / 2**20:.1f} MiB ({st['ratio']:.2f}x); put {st['put_us']:.0f} us, "
-                   f"get {st['get_us']:.0f} us per client.")
+                   f"get {st['get_us']:.0f} us per client. It measures bytes per stored state, not "
+                   f"registrations: the {big:,}-client run stores only the clients that trained.")
     b.ratio("C", "store_rss/state_bytes", st["ratio"])
 
 
@@ -443,7 +452,7 @@ def cli_first_round(b: Bench, spec: dict) -> None:
     b.results["cli"] = {"first_round_seconds": first, "process_seconds": total}
     b.notes.append(f"`raysim run` (workload A config, 1 round) to the end of round 1: {first:.1f} s; "
                    f"process exit (incl. report and Ray shutdown): {total:.1f} s.")
-    b.ratio("S", "first_round_s/10s", first / 10.0)
+    b.ratio("S", "first_round_s/8s", first / 8.0)
 
 
 # ----------------------------------------------------------------------------- output

@@ -9,7 +9,9 @@ digits CNN of the papers (``cnn6``, 14M parameters) is too slow for a 2-core CPU
 * B  cross-device: FedAvg, 1,000 clients of 64 training images each (drawn per client from
      their domain's training split, overlapping across clients), 50 per round, 10 rounds.
 * C  personalized state at scale: FedBN (BN layers stay on the client), like B but with
-     100,000 registered clients (and the same run with 1,000), 100 per round.
+     1,000,000 registered clients (and the same run with 1,000), 100 per round: what it costs
+     must grow with the clients that train, not with those registered (``run.py``'s
+     ``scale_workload`` passes the count; ``workload_c``'s default stays 100,000).
 * D  overhead-bound: FedAvg, 1,000 clients of 50 training images each, 100 per round, one epoch
      at batch 10 (5 SGD steps per client), on digits5 rendered at 28 px, with raysim's two-layer
      MLP (``mlp``: 200 hidden units, no norm; 472k parameters on 3x28x28 but only ~0.47M

@@ -39,7 +39,6 @@ from raysim.aggregation import KeepAll, weighted_mean
 from raysim.contract import ClientContext, Method, Upload, client_weight
 from raysim.errors import UserError
 from raysim.models.norm import is_norm
-from raysim.profiles import assign_levels
 
 
 # ----------------------------------------------------------------------------- structure
@@ -290,11 +289,8 @@ def client_tier(setup, client_id: int, num_levels: int, method: str) -> int:
     """The client's capability tier: its profile's (clients.profiles), else k mod L (DapperFL's
     official rule, raysim.profiles.assign_levels round robin with equal shares)."""
     profiles = setup.client_profiles
-    if client_id < len(profiles):
-        tier = int(profiles[client_id]["tier"])
-    else:
-        tiers = assign_levels(max(setup.num_clients, 1), num_levels, None, "round_robin")
-        tier = tiers[client_id] if client_id < len(tiers) else client_id % num_levels
+    # round robin with equal shares deals client k level k mod L (no per-client table to build)
+    tier = int(profiles[client_id]["tier"]) if client_id < len(profiles) else client_id % num_levels
     if not 0 <= tier < num_levels:
         raise UserError(f"{method}: client {client_id} has tier {tier} but hp.{method}.rho_levels lists "
                         f"{num_levels} levels (one ratio per clients.profiles level is needed)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -41,12 +41,13 @@ class Setup:
     num_classes: int
     image_shape: tuple[int, int, int]
     num_clients: int  # training clients (unseen clients are not counted)
-    client_domains: tuple[str, ...]  # domain of each client id
+    client_domains: Sequence[str]  # domain of each client id (a lazy ClientDomains in a federation; any tuple works)
     model: Any  # raysim.config.ModelConfig
     train: Any  # raysim.config.TrainConfig
     rounds: int
     seed: int
-    client_profiles: tuple[dict, ...] = ()  # per-client system profile (clients.profiles); () without
+    # per-client system profile (clients.profiles; a lazy ClientProfiles in a federation); empty without
+    client_profiles: Sequence[dict] = ()
 
 
 @dataclass

@@ -75,7 +75,7 @@ from raysim.errors import UserError
 from raysim.hparams import Hparams, Space
 from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, run_hparams, summary_section
 from raysim.methods.dapperfl.masks import apply_masks, prune_masks
-from raysim.profiles import assign_levels
+from raysim.profiles import level_tiers
 from raysim.settings import setting
 from raysim.training import collect_bn_stats
 
@@ -253,9 +253,9 @@ class DapperFL(Method):
             return int(profiles[client_id]["tier"])
         if not hasattr(self, "_tiers"):
             how = "round_robin" if self.hp.tier_assignment == "modulo" else "random"
-            self._tiers = assign_levels(self.setup.num_clients, len(self.hp.rho_levels), self.hp.tier_shares,
-                                        how, self.setup.seed, purpose="dapperfl-tiers")
-        return self._tiers[client_id] if client_id < len(self._tiers) else client_id % len(self.hp.rho_levels)
+            self._tiers = level_tiers(self.setup.num_clients, len(self.hp.rho_levels), self.hp.tier_shares,
+                                      how, self.setup.seed, purpose="dapperfl-tiers")
+        return int(self._tiers[client_id]) if client_id < len(self._tiers) else client_id % len(self.hp.rho_levels)
 
     def client_rho(self, client_id: int) -> float:
         """rho_i: hp.rho if set, else a profile's "rho", else the ratio of the client's tier."""

@@ -7,7 +7,9 @@ manifest and each host reads only its own clients' data (see ``raysim.runtime.da
 """
 from __future__ import annotations
 
+import bisect
 from functools import cached_property
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -15,7 +17,7 @@ import torch
 from raysim.contract import ClientData, Setup
 from raysim.errors import UserError
 from raysim.methods import registry
-from raysim.profiles import client_profiles
+from raysim.profiles import ClientTable, client_profiles
 
 
 class Federation:
@@ -132,7 +134,7 @@ class Federation:
         part = self.partition
         return Setup(num_classes=self.num_classes, image_shape=self.image_shape,
                      num_clients=part.num_clients,
-                     client_domains=tuple(part.domain(c) for c in range(part.num_clients)),
+                     client_domains=ClientDomains.of(part),
                      model=self.cfg.model, train=self.cfg.train, rounds=self.cfg.rounds, seed=self.cfg.seed,
                      client_profiles=client_profiles(self.cfg.clients.profiles, part.num_clients, self.cfg.seed))
 
@@ -160,10 +162,68 @@ class PooledPartition:
         self.num_clients = 1
 
     def domain(self, cid: int) -> str:
-        return "+".join(dict.fromkeys(self.part.domain(c) for c in range(self.part.num_clients)))
+        return "+".join(dict.fromkeys(ClientDomains.of(self.part).names))
 
     def num_samples(self, cid: int, split: str = "train") -> int:
-        return sum(self.part.num_samples(c, split) for c in range(self.part.num_clients))
+        return int(self.part.all_num_samples(split).sum())
+
+
+class ClientDomains(ClientTable):
+    """The domain of each client id, held as runs of consecutive ids (one per domain, as a partition
+    numbers its clients): a few tuples for 1,000 or 1,000,000 clients, cheap to build in every
+    process and to send to the driver."""
+
+    def __init__(self, runs=()):
+        """``runs``: (first id, count, domain), consecutive from id 0."""
+        names, ends = [], []
+        for first, count, domain in runs:
+            end = ends[-1] if ends else 0
+            if first != end:
+                raise ValueError(f"client domain runs must be consecutive from 0: a run starts at {first}, not {end}")
+            if count:
+                names.append(str(domain))
+                ends.append(end + int(count))
+        self.names, self.ends = tuple(names), tuple(ends)  # ends: one past each run's last id
+
+    @classmethod
+    def of(cls, part) -> "ClientDomains":
+        """A partition's (or shard partition's) domains, from its id range per domain; an object
+        without them (a pooled partition: one client) is read client by client."""
+        if hasattr(part, "clients") and hasattr(part, "domains"):
+            ranges = {d: part.clients(d) for d in part.domains}
+            return cls(sorted((r.start, len(r), d) for d, r in ranges.items()))
+        runs = []
+        for cid in range(part.num_clients):
+            domain = part.domain(cid)
+            if runs and runs[-1][2] == domain:
+                runs[-1][1] += 1
+            else:
+                runs.append([cid, 1, domain])
+        return cls(runs)
+
+    def __add__(self, other: "ClientDomains") -> "ClientDomains":
+        """These clients, then ``other``'s with ids after them (a federation's unseen clients)."""
+        return ClientDomains([*self.runs(), *((first + len(self), n, d) for first, n, d in other.runs())])
+
+    def runs(self) -> list[tuple[int, int, str]]:
+        starts = (0,) + self.ends[:-1]
+        return [(first, end - first, d) for first, end, d in zip(starts, self.ends, self.names)]
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def _item(self, i: int) -> str:
+        return self.names[bisect.bisect_right(self.ends, i)]
+
+    def __iter__(self):
+        for _, n, domain in self.runs():
+            yield from repeat(domain, n)
+
+    def __contains__(self, domain) -> bool:
+        return domain in self.names
+
+    def __repr__(self) -> str:
+        return "ClientDomains(" + ", ".join(f"{d} x{n}" for _, n, d in self.runs()) + ")"
 
 
 def pooled_data(members: list) -> ClientData:

@@ -11,7 +11,7 @@ import torch
 from raysim.aggregation import WeightedMean
 from raysim.errors import UserError
 from raysim.profiles import read_trace
-from raysim.runtime.federation import Federation
+from raysim.runtime.federation import ClientDomains, Federation
 from raysim.runtime.seeding import SERVER, rng_for
 from raysim.tensors import tensors_nbytes
 
@@ -33,7 +33,8 @@ class Server:
         # for the global model only (Method.global_eval_model); never broadcast for training
         self.personal_mean: dict[str, torch.Tensor] = {}
         trace = self.cfg.clients.profiles.trace
-        self.trace = read_trace(trace) if trace else None
+        self.online_by_round = trace_by_round(read_trace(trace), self.n) if trace else None
+        self.availability = level_availability(self.fed.setup.client_profiles)
         return self.describe()
 
     def _clients_per_round(self) -> int:
@@ -48,11 +49,14 @@ class Server:
         return self.n
 
     def describe(self) -> dict:
+        """What the driver needs to know; ``client_domains`` (training clients, then the unseen
+        ones) is a ClientDomains of a few runs, not a list of every client's domain."""
         part = self.fed.partition
-        targets = [self.fed.domain(self.n + i) for i in range(self.fed.num_targets)]
-        return {"num_clients": self.n, "num_targets": len(targets), "clients_per_round": self.per_round,
-                "domains": list(self.fed.domains),
-                "client_domains": list(self.fed.setup.client_domains) + targets,
+        domains = self.fed.setup.client_domains
+        if self.fed.target is not None:
+            domains = domains + ClientDomains.of(self.fed.target)
+        return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
+                "domains": list(self.fed.domains), "client_domains": domains,
                 "num_train": [part.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
@@ -60,22 +64,22 @@ class Server:
         """The round's clients: ``clients_per_round`` of those online (client profiles' availability)."""
         online = self.online(rnd)
         if self.per_round >= len(online):
-            return online
+            return [int(c) for c in online]
         rng = rng_for(self.cfg.seed, rnd, SERVER, "sample")
         if len(online) == self.n:
             return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
-        return sorted(online[int(i)] for i in rng.choice(len(online), size=self.per_round, replace=False))
+        return sorted(int(online[int(i)]) for i in rng.choice(len(online), size=self.per_round, replace=False))
 
-    def online(self, rnd: int) -> list[int]:
-        """Client ids online in round ``rnd``: every client without profiles; else a draw keyed by
-        (seed, round) against each client's availability, or the availability trace."""
-        profiles = self.fed.setup.client_profiles
-        if self.trace is None and all(p.get("availability", 1.0) >= 1 for p in profiles):
-            return list(range(self.n))
-        if self.trace is not None:
-            return [c for c in range(self.n) if (c, rnd) in self.trace]
+    def online(self, rnd: int):
+        """Client ids online in round ``rnd`` (ascending): every client (a range) without profiles;
+        else the availability trace's, or a draw keyed by (seed, round) against each client's
+        level's availability (vectorised through the tier array: no per-client Python loop)."""
+        if self.online_by_round is not None:
+            return self.online_by_round.get(rnd, [])
+        if self.availability is None:
+            return range(self.n)
         u = rng_for(self.cfg.seed, rnd, SERVER, "available").random(self.n)
-        return [c for c in range(self.n) if u[c] < profiles[c].get("availability", 1.0)]
+        return np.flatnonzero(u < self.availability[self.fed.setup.client_profiles.tiers])
 
     def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
         """ray.put the round's payload once; per-client payloads only when the method has them.
@@ -137,6 +141,23 @@ class Server:
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self.method.init_server(self.fed.initial_model())
+
+
+def level_availability(profiles):
+    """Each level's availability (a numpy array indexed by tier), or None when every level that
+    has clients is always online (then nobody is drawn)."""
+    availability = np.array([p.get("availability", 1.0) for p in profiles.level_profiles], dtype=np.float64)
+    in_use = np.bincount(profiles.tiers, minlength=availability.size) > 0
+    return availability if (availability[in_use] < 1).any() else None
+
+
+def trace_by_round(trace: set[tuple[int, int]], num_clients: int) -> dict[int, list[int]]:
+    """Round -> the training clients an availability trace has online then (ascending)."""
+    by_round: dict[int, list[int]] = {}
+    for client, rnd in trace:
+        if 0 <= client < num_clients:
+            by_round.setdefault(rnd, []).append(client)
+    return {rnd: sorted(clients) for rnd, clients in by_round.items()}
 
 
 def _put(obj):
