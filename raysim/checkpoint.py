@@ -14,7 +14,6 @@ import os
 import shutil
 
 import pyarrow.parquet as pq
-import torch
 
 from raysim.errors import UserError
 
@@ -43,6 +42,8 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    import torch  # not at the top: the driver of a run without checkpoints never needs torch
+
     torch.save(server_state, os.path.join(tmp, "server.pt"))
     torch.save(client_states, os.path.join(tmp, "clients.pt"))
     pq.write_table(metrics_table, os.path.join(tmp, "metrics.parquet"))
@@ -93,6 +94,8 @@ def read(run_dir: str, rnd: int, cfg) -> dict:
     if meta.get("config") != config_fingerprint(cfg):
         raise UserError(f"checkpoint {d} was written by a different config (method, data, model, train, "
                         "eval, seed or rounds changed); resume with the run's own config.yaml")
+    import torch
+
     out = {"round": meta["round"]}
     for key, name in (("server", "server.pt"), ("clients", "clients.pt")):
         path = os.path.join(d, name)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from torch import nn
-from torchvision.models import resnet as tv_resnet
 
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
 from raysim.models.norm import NormSpec, check_norm, make_norm
@@ -41,6 +40,10 @@ class TorchvisionResNet(Net):
                  bottleneck: int | None = None):
         norm = check_norm(norm)
         conv = resolve_conv(conv)
+        # here, not at the top: importing torchvision costs ~1 s (torchvision.ops pulls in
+        # torch._dynamo), paid by every Ray worker that builds any model otherwise
+        from torchvision.models import resnet as tv_resnet
+
         trunk = getattr(tv_resnet, arch)(weights=None, norm_layer=lambda c: make_norm(norm, c, 2))
         for block in trunk.modules():
             if isinstance(block, (tv_resnet.BasicBlock, tv_resnet.Bottleneck)) and block.downsample is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-import torch
 
 SERVER = -1
 
@@ -17,7 +16,9 @@ def _key(seed: int, rnd: int, client: int, purpose: str) -> list[int]:
     return [int(seed) & 0xFFFFFFFF, int(rnd), int(client) + 1, zlib.crc32(purpose.encode())]
 
 
-def generator_for(seed: int, rnd: int, client: int, purpose: str) -> torch.Generator:
+def generator_for(seed: int, rnd: int, client: int, purpose: str) -> "torch.Generator":
+    import torch  # here: the driver imports this module for rng_for and never needs torch
+
     state = np.random.SeedSequence(_key(seed, rnd, client, purpose)).generate_state(1, np.uint64)[0]
     return torch.Generator().manual_seed(int(state))
 
