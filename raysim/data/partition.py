@@ -96,7 +96,24 @@ class _Slices:
         return int(self.bounds[j + 1] - self.bounds[j])
 
     def counts(self) -> np.ndarray:
-        return np.diff(self.bounds)
+        return np.diff(np.asarray(self.bounds))
+
+
+class _EqualShareBounds:
+    """``floor(j * k / total * m + 1e-9)`` for j = 0..n: the val/test slice bounds of n clients that
+    each hold k training images, computed when asked rather than held (a million registered clients
+    would otherwise keep 8 MB per split and domain in every process). Same float64 operations as
+    the general case, so the same integers."""
+
+    def __init__(self, n: int, k: int, total: float, m: int):
+        self.n, self.k, self.total, self.m = n, k, total, m
+
+    def __getitem__(self, j: int) -> int:
+        return int(np.floor(float(j * self.k) / self.total * self.m + 1e-9))
+
+    def __array__(self, dtype=None, copy=None):
+        cum = (np.arange(self.n + 1, dtype=np.int64) * self.k).astype(np.float64) / self.total
+        return np.floor(cum * self.m + 1e-9).astype(dtype or np.int64)
 
 
 class _Lists:
@@ -286,8 +303,11 @@ def _val_test_plans(ds, domain: str, train_counts: np.ndarray, pool: int, shared
             out[s] = _Full(m, n)
             continue
         order = _rng(seed, f"partition/{s}", domain).permutation(m)
-        cum = np.concatenate([[0], np.cumsum(train_counts, dtype=np.float64)])
-        cum = cum / max(cum[-1], pool, 1)  # shares of the domain; never more than all of it
+        total = float(max(float(train_counts.sum()), pool, 1))  # shares of the domain; never more than all of it
+        if n and train_counts.min() == train_counts.max():
+            out[s] = _Slices(order, _EqualShareBounds(n, int(train_counts[0]), total, m))
+            continue
+        cum = np.concatenate([[0], np.cumsum(train_counts, dtype=np.float64)]) / total
         out[s] = _Slices(order, np.floor(cum * m + 1e-9).astype(np.int64))
     return out
 

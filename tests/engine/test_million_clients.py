@@ -65,9 +65,9 @@ def test_a_million_registered_clients_cost_what_a_thousand_do():
           f"{big_mem / 2**20:.1f} MiB, describe() {len(pickle.dumps(small_info))} vs {len(pickle.dumps(info))} B")
     # generous bounds (a loaded 2-core machine); the eager tables took ~1 s more at 1,000,000 clients
     assert big_s < 5 * small_s + 2.0
-    # what grows is the partition's val/test slice bounds (~15 MB); a tuple of every client's domain
-    # and describe()'s list of them would add 16 MB more
-    assert big_mem - small_mem < 25 * 2**20
+    # measured: 64.2 vs 64.2 MiB; eager tables (every client's domain, describe()'s list of them, the
+    # val/test slice bounds) added 31 MB
+    assert big_mem - small_mem < 4 * 2**20
     assert len(pickle.dumps(info)) < 2**20
     assert info["num_clients"] == BIG and info["clients_per_round"] == PER_ROUND
     domains = info["client_domains"]
@@ -182,3 +182,19 @@ def test_availability_draws_and_traces_select_the_same_clients(tmp_path):
                 pick = rng_for(5, rnd, SERVER, "sample").choice(len(online), size=50, replace=False)
                 expected = sorted(online[int(i)] for i in pick)
             assert server.sample(rnd) == expected
+
+
+def test_equal_share_val_test_bounds_are_the_general_formulas():
+    """Clients with equal train counts get their val/test slice bounds computed when asked; they
+    are the integers the general cumulative-share formula gives (and hold no per-client array)."""
+    from raysim.data.partition import _EqualShareBounds
+
+    for n, k, pool, m in [(1, 64, 743, 100), (7, 64, 743, 1000), (1000, 64, 7430, 2000),
+                          (200_000, 64, 25_000, 9000), (3, 5, 2, 7), (12, 1, 12, 12)]:
+        counts = np.full(n, k, np.int64)
+        cum = np.concatenate([[0], np.cumsum(counts, dtype=np.float64)])
+        expected = np.floor(cum / max(cum[-1], pool, 1) * m + 1e-9).astype(np.int64)
+        lazy = _EqualShareBounds(n, k, float(max(float(counts.sum()), pool, 1)), m)
+        assert np.array_equal(np.asarray(lazy), expected)
+        for j in (0, 1, n // 2, n - 1, n):
+            assert lazy[j] == expected[j]
