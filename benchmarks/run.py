@@ -221,11 +221,13 @@ class Bench:
                                                  write_spec(spec, self.out), out, "--threads", str(threads)],
                        out, self.timeout), out
 
-    def raysim(self, spec, tag: str, memory: bool = False, hosts: int = 2):
-        log(f"{spec['name']}: raysim, {hosts} hosts x 1 CPU ({spec['partition'].get('num_clients', 5)} clients)")
+    def raysim(self, spec, tag: str, memory: bool = False, hosts: int = 2, runtime: dict | None = None):
+        log(f"{spec['name']}: raysim, {hosts} hosts x 1 CPU ({spec['partition'].get('num_clients', 5)} clients)"
+            f"{f' {runtime}' if runtime else ''}")
         out = os.path.join(self.out, f"{spec['name']}-{tag}")
         cmd = [sys.executable, os.path.join(HERE, "raysim_runner.py"), write_spec(spec, self.out), out,
-               "--hosts", str(hosts)] + (["--memory"] if memory else [])
+               "--hosts", str(hosts)] + (["--memory"] if memory else []) + \
+              (["--runtime", json.dumps(runtime)] if runtime else [])
         return run_arm(f"raysim {spec['name']}", cmd, out, self.timeout), out
 
     def flower(self, spec, py: str):
@@ -309,6 +311,11 @@ def fedavg_workload(b: Bench, spec: dict, externals: dict[str, tuple[str | None,
     b.ratio(w, "raysim/plain", median_round(rs) / median_round(fast))
     b.ratio(w, "raysim/plain_1thread", median_round(rs) / median_round(ref))
     b.ratio(w, "raysim/plain_cpu", _div(median_cpu(rs), median_cpu(ref)))
+    if NOISE is not None:  # what work stealing buys: the same run with every client on its own host
+        pinned, pinned_dir = b.raysim(spec, "raysim-pinned", runtime={"balance": "owner"})
+        pdiff = max_abs_diff(os.path.join(pinned_dir, "weights.pt"), os.path.join(ref_dir, "weights.pt"))
+        b.row(w, "raysim", pinned, "2 hosts x 1 CPU, clients pinned (runtime.balance=owner)", pdiff, steps=steps)
+        b.ratio(w, "raysim_pinned/plain_1thread", median_round(pinned) / median_round(ref))
     per_step_reported = False
     for arm in EXTERNAL:
         if arm not in externals:
