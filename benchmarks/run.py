@@ -30,8 +30,9 @@ reports its cost per client step (``<arm>_ms_per_step`` and ``raysim_ms_per_step
 time / local SGD steps per round, overhead included) instead.
 
 Round time = the median of the per-round wall times (sample, broadcast, local training,
-aggregation; the final evaluation falls in the last round, which the median ignores, as it
-ignores Flower's first round, where its actors load the data raysim's hosts load at start-up).
+aggregation) of the rounds between the first and the last, in every arm: the last holds the final
+evaluation, the first the warm-up (Flower's actors load the data raysim's hosts load at start-up;
+every process that trains imports torch._dynamo at its first optimizer step).
 Start-up (Ray, actors, data) is reported separately. Output: the table, then one line per ratio
 ``RATIO <workload> <name> <value>``, then one line per target ``TARGET <workload> <name> ...``;
 everything is also written to OUT/results.json.
@@ -140,12 +141,23 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')} load {load_average()}] {msg}", file=sys.stderr, flush=True)
 
 
+def steady_rounds(values: list) -> list:
+    """The rounds between the first (warm-up: Ray workers importing torch._dynamo at their first
+    optimizer, Flower's actors loading data) and the last (the final evaluation, in every arm):
+    with 4 rounds a plain median would average a training round with the evaluation round."""
+    return values[1:-1] if len(values) >= 3 else values
+
+
 def median_round(res: dict) -> float:
-    return statistics.median(res["round_seconds"])
+    return statistics.median(steady_rounds(res["round_seconds"]))
 
 
 def median_cpu(res: dict) -> float | None:
     cpu = res.get("round_cpu") or []
+    if len(cpu) == len(res["round_seconds"]):  # rounds 1..R (the plain loop); the others: 2..R
+        cpu = steady_rounds(cpu)
+    elif len(cpu) >= 2:
+        cpu = cpu[:-1]
     return statistics.median(cpu) if cpu else None
 
 
