@@ -98,6 +98,10 @@ class RuntimeConfig:
     # "owner": every client trains on its own host (client k on host k mod H)
     balance: str = setting("steal", one_of=("steal", "owner"))
     steal_state_mb: float = setting(4.0, ge=0)
+    # the nice value of the Ray workers (hosts, server) when raysim starts Ray itself: 0, the
+    # priority of any program you start (Ray's own default, 15, lets every other process on the
+    # machine take the CPU from the simulation first); a cluster joined with --address keeps its own
+    worker_niceness: int = setting(0, ge=0, le=19)
 
 
 @dataclass

@@ -33,7 +33,9 @@ def ray_session(address: str | None, runtime=None):
         except (ConnectionError, ValueError, RuntimeError) as err:
             raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
     else:
-        ray.init(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1", **kwargs)
+        niceness = runtime.worker_niceness if runtime is not None else 0
+        ray.init(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1",
+                 _system_config={"worker_niceness": int(niceness)}, **kwargs)
     try:
         yield
     finally:

@@ -112,7 +112,7 @@ class ClientHost:
 
     def ready(self) -> dict:
         return {"host": self.host_id, "clients": len(self.client_ids), "device": str(self.device),
-                "threads": torch.get_num_threads(), "pid": os.getpid(), **_node()}
+                "threads": torch.get_num_threads(), "pid": os.getpid(), "niceness": os.nice(0), **_node()}
 
     # ------------------------------------------------------------------ state
     def _record(self, cid: int) -> dict:

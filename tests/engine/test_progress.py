@@ -1,6 +1,7 @@
 """Progress as a person sees it: ``raysim run`` of two federations side by side in a real terminal
 (a detached tmux pane, captured while it runs) shows one line per federation redrawn in place and
 ends with a final table; piped, it writes plain lines without escape codes."""
+import json
 import os
 import re
 import shutil
@@ -89,6 +90,11 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
         assert re.search(r"loss \d\.\d{3}  acc\(AVG\)\s+\d+\.\d%  elapsed \d+:\d\d  eta \d+:\d\d$", lines[-1])
         assert re.search(rf"raysim: \S*{method} done: {ROUNDS} rounds in \d+ s", r.stderr)
     assert "run directory:" in r.stdout
+    # raysim started Ray itself: its hosts run at the priority of the program that started them
+    # (runtime.worker_niceness 0 on top), not 15 lower as Ray's default would put them
+    for method in ("fedavg", "fedbn"):
+        with open(tmp_path / "run" / method / "hosts.json", encoding="utf-8") as fh:
+            assert {h["niceness"] for h in json.load(fh)["hosts"]} == {os.nice(0)}
 
 
 def test_board_rows_from_threads_and_final_table():
