@@ -453,7 +453,7 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
     })
     clients = [0, 1, 2]
     host = ClientHost(0, cfg, num_hosts=1, gpu_ids=[])  # holds 0..2 and 3, the held-out domain's client
-    assert host.start()["clients"] == 4 and host.client_ids == clients + [3]
+    assert host.start()["clients"] == 4 and list(host.client_ids) == clients + [3]
     m = host.method
     srv = m.init_server(host.model)
     refs = None
