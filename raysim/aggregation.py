@@ -27,10 +27,15 @@ from raysim.tensors import Tensors
 # ----------------------------------------------------------------------------- the weighted mean
 
 def accumulate(sums: dict[str, torch.Tensor], tensors: Tensors, weight: float, keys=None) -> None:
-    """``sums[k] += weight * tensors[k]`` in float64 on the CPU."""
+    """``sums[k] += weight * tensors[k]`` in float64 on the CPU: one float64 copy per tensor,
+    multiplied and added in place (the same two roundings as ``sums + t * w``, a third of the
+    allocations: for a small model this was half of a client's cost beyond its training)."""
     for k in (tensors if keys is None else keys):
-        v = tensors[k].detach().to("cpu", torch.float64) * float(weight)
-        sums[k] = sums[k] + v if k in sums else v
+        v = tensors[k].detach().to("cpu", torch.float64, copy=True).mul_(float(weight))
+        if k in sums:
+            sums[k].add_(v)
+        else:
+            sums[k] = v
 
 
 def cast_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
