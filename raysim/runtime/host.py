@@ -199,20 +199,21 @@ class ClientHost:
         if part is None or part["round"] != rnd:
             import ray
             payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
-            part = self._partial = {
-                "round": rnd, "payload": payload, "partial": self.method.aggregator.start(),
-                "personal": WeightedMean().start() if self._personal_keys else None,
-                "metrics": {}, "bytes_up": 0, "clients": 0, "seconds": 0.0}
+            part = self._partial = self._new_partial(rnd, payload, gather_personal=bool(self._personal_keys))
         return part
+
+    def _new_partial(self, rnd: int, payload, gather_personal: bool) -> dict:
+        return {"round": rnd, "payload": payload, "partial": self.method.aggregator.start(),
+                "personal": WeightedMean().start() if gather_personal else None,
+                "metrics": {}, "bytes_up": 0, "clients": 0, "seconds": 0.0}
 
     def end_round(self, rnd: int) -> dict:
         """The host's partial result of round ``rnd`` (the method's aggregator), its clients' metrics
         and the bytes they sent; an empty partial when it trained nobody this round."""
-        part = self._partial if self._partial is not None and self._partial["round"] == rnd else None
+        part = self._partial
         self._partial = None
-        if part is None:
-            part = {"partial": self.method.aggregator.start(), "personal": None, "metrics": {},
-                    "bytes_up": 0, "clients": 0, "seconds": 0.0}
+        if part is None or part["round"] != rnd:  # nobody trained here this round
+            part = self._new_partial(rnd, None, gather_personal=False)
         eval_bytes = part["clients"] * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
                                            for k in self._personal_keys)
         return {"host": self.host_id, "partial": part["partial"], "personal": part["personal"],

@@ -151,11 +151,11 @@ class FederationRun:
             futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
                                                         {c: personal[c] for c in cids if c in personal})
                        for h, cids in split_by_host(sampled, self.owner).items()]
-            summary = self._call(server.aggregate.remote(rnd, *futures))
+            returned = []
         else:
             futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
-            summary = self._call(server.aggregate.remote(rnd, *futures))
-            self._call(returned)  # moved clients' records are back on their owners before anyone reads them
+        summary = self._call(server.aggregate.remote(rnd, *futures))
+        self._call(returned)  # moved clients' records are back on their owners before anyone reads them
         results = None
         if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
             personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
