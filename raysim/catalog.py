@@ -111,6 +111,11 @@ def allowed_text(f: dataclasses.Field) -> str:
     return ", ".join(parts)
 
 
+def default_source(f) -> str:
+    """Where a setting's default comes from (``setting(..., source=...)``), "" when undeclared."""
+    return f.metadata.get("source", "")
+
+
 def space_text(space) -> str:
     """A search range (raysim.hparams.Space) as ``log(0.01, 1)``, ``uniform(0.1, 0.9)``, ``choice(...)``."""
     if space is None:
@@ -165,8 +170,8 @@ def hparam_rows(cls) -> list[list[str]]:
             default = _num(f.default_factory())  # type: ignore[misc]
         else:
             default = "(required)"
-        rows.append([f.name, _type_text(hints.get(f.name, f.type)), default, allowed_text(f) or "any",
-                     space_text(space.get(f.name)) or "–", notes.get(f.name, "")])
+        rows.append([f.name, _type_text(hints.get(f.name, f.type)), default, default_source(f) or "–",
+                     allowed_text(f) or "any", space_text(space.get(f.name)) or "–", notes.get(f.name, "")])
     return rows
 
 
@@ -183,7 +188,7 @@ def method_markdown(name: str) -> str:
     rows = hparam_rows(cls)
     out += [f"## Hyperparameters (`hp.{name}.<name>`)", ""]
     if rows:
-        out += [markdown_table(["name", "type", "default", "allowed", "search space", "note"], rows), ""]
+        out += [markdown_table(["name", "type", "default", "default from", "allowed", "search space", "note"], rows), ""]
     else:
         out += ["(none)", ""]
     cfgs = configs_by_method().get(name, [])

@@ -70,10 +70,15 @@ def _num(x) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, **allowed):
+def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, source: str | None = None,
+            **allowed):
     """A dataclass field with its allowed values (``ge``, ``gt``, ``le``, ``lt``, ``one_of``,
-    ``expected``); ``None`` always passes where the type admits it."""
+    ``expected``); ``None`` always passes where the type admits it. ``source`` says where the
+    default comes from (a method's hyperparameters: "paper Eq. 3", "official code", "ours: ..."),
+    shown by ``raysim methods NAME``."""
     meta = {"allowed": Allowed(**allowed)} if allowed else {}
+    if source is not None:
+        meta["source"] = source
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
