@@ -7,11 +7,11 @@ Every client i has a fixed pruning ratio rho_i, set by its capability tier C_1..
 Client i, round t (Algorithm 1 = local epoch 1, then Algorithm 2 lines 1-3):
     w_hat  <- W^{t-1} after one epoch of SGD on D_i, the full (dense) model       (Alg. 1 line 1)
     a_t     = max((1 - eps)^(t-1) * alpha0, alpha_min)                           (Eq. 2)
-    w       = a_t * W^{t-1} + (1 - a_t) * w_hat        (t >= fuse_from_round = 1)    (Eq. 1)
+    w       = a_t * W^{t-1} + (1 - a_t) * w_hat        (t >= fuse_from_round = 2)    (Eq. 1)
     M       = structured L1 masks of w at ratio rho_i                             (Alg. 1 line 3)
     w       <- w * M                                                              (Alg. 1 line 4)
     for e = 2..E, every batch:  z = g_e(w_e * M_e; x),  logits = g_p(w_p * M_p; z)
-        L = CE(logits, y) + gamma * mean_b ||z_b||_2^2                            (Eqs. 3-5)
+        L = CE(logits, y) + gamma * mean_b ||z_b||_2                              (Eqs. 3-5, code's form)
         (ce_norm="labels": CE / |K_i|, Eq. 4 read literally; see below)
         SGD step, then pruned entries back to 0
     BN running statistics <- those of w * M + W^{t-1} * (1 - M) on D_i     (bn_stats, see below)
@@ -36,11 +36,22 @@ the stem and the first shortcut conv by output filters; every other conv by inpu
 W[:, c]), then output filters (L1 of (W * m_in)[c]), M = m_out x m_in. It keeps ~(1 - rho)^2 of each
 such conv, so the proportion of 0 in M is ~1 - (1 - rho)^2, not rho (96% of the convs at rho = 0.8).
 
-Switches (defaults = the paper; ``official_compat`` = the published code's behaviour, spec
-section 10): fusion off, pruned slots averaged as zeros, DAR = gamma * mean_b ||z_b|| (not squared),
-plain batch-mean CE (no 1/|K_i|), the code's in + out channel masks. The fine-tune epoch uses Eq. 5
-too (the paper does not say; the code does), and one SGD optimizer spans all E epochs, so momentum
-crosses the prune (code).
+Where the defaults come from (``raysim methods dapperfl`` lists each one's source). The rule: the
+form the paper's hyperparameters were tuned with is the default, the other a switch.
+  * gamma = 0.01 was tuned (Fig. 4d) with the released code's DAR, gamma * mean_b ||z_b||, so that
+    unsquared norm is the default; Eq. 3's squared norm is ``dar_form: squared`` (at gamma 0.01 it
+    weighs the regulariser ||z|| times more: spec 9.3).
+  * Fusion starts in round 2 (``fuse_from_round: 2``), as the code's guard does: Eq. 2 read from t = 1
+    would blend 90% of the random W^0 back into round 1's model (spec 9.5); ``fuse_from_round: 1``
+    is the literal reading. The exponent stays t - 1, so round 2 uses alpha = 0.72.
+  * Fusion itself, Eq. 6's recovery and the rho share of zeros in M are the paper's: in the
+    released code the fusion never runs and the recovery is lost (spec 10.1-10.2), so the code
+    cannot have produced the paper's Table 3, and alpha0 / alpha_min / epsilon (Fig. 4a-c) only
+    mean anything with fusion on.
+``official_compat`` = the published code's behaviour (spec section 10): fusion off, pruned slots
+averaged as zeros, DAR = gamma * mean_b ||z_b||, plain batch-mean CE (no 1/|K_i|), the code's in +
+out channel masks. The fine-tune epoch uses Eq. 5 too (the paper does not say; the code does), and
+one SGD optimizer spans all E epochs, so momentum crosses the prune (code).
 
 Two choices the paper leaves open, and why (measured on digits5, 10 clients, rho tiers C1..C5):
   * BN running statistics (``bn_stats``). The paper never mentions them; read literally, the upload
@@ -84,33 +95,34 @@ from raysim.training import collect_bn_stats
 
 @dataclass(frozen=True)
 class DapperFLHparams(Hparams):
-    alpha0: float = setting(0.9, ge=0, le=1)  # initial fusion factor (Table 4)
-    alpha_min: float = setting(0.1, ge=0, le=1)  # floor of the fusion factor (Table 4)
-    epsilon: float = setting(0.2, ge=0, lt=1)  # decay ("sensitivity") of the fusion factor per round (Table 4)
-    gamma: float = setting(0.01, ge=0)  # DAR weight (Table 4)
+    alpha0: float = setting(0.9, ge=0, le=1, source="paper Table 4 (best of Fig. 4a); code agrees")  # initial fusion factor
+    alpha_min: float = setting(0.1, ge=0, le=1, source="paper Table 4 (best of Fig. 4b); code agrees")  # floor of the fusion factor
+    epsilon: float = setting(0.2, ge=0, lt=1, source="paper Table 4 (best of Fig. 4c); code agrees")  # decay ("sensitivity") of the fusion factor per round
+    gamma: float = setting(0.01, ge=0, source="paper Table 4 (Fig. 4d), tuned with the code's unsquared DAR")  # DAR weight
     # ---- system heterogeneity: who gets which pruning ratio ----
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1)  # rho of each capability tier C_1..C_L
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="paper Sec. 4.2; code's pr_ratios")  # rho of each capability tier C_1..C_L
     # without clients.profiles, the tiers are DapperFL's own: shares (None: equal) and "seeded"
     # (balanced slots shuffled by setup.seed) or "modulo" (client k -> tier k mod L, the official code)
-    tier_shares: tuple[float, ...] | None = setting(None, ge=0)
-    tier_assignment: str = setting("seeded", one_of=("seeded", "modulo"))
-    rho: float | None = setting(None, ge=0, lt=1)  # one ratio for every client (Fig. 3, Tables 5-6); overrides tiers
+    tier_shares: tuple[float, ...] | None = setting(None, ge=0, source="code: two clients per tier (equal shares)")
+    tier_assignment: str = setting("seeded", one_of=("seeded", "modulo"),
+                                   source="ours: the code's k mod 5 made seedable (spec 9.14)")
+    rho: float | None = setting(None, ge=0, lt=1, source="paper Table 1 setting: ratios by tier, none uniform")  # one ratio for every client (Fig. 3, Tables 5-6); overrides tiers
     # ---- variants (spec section 2.6) ----
-    fusion: bool = True  # Eq. 1-2 ("w/o MFP" ablation: False)
-    fuse_from_round: int = setting(1, ge=1)  # Eq. 2 holds from t = 1 (paper); 2 = the code's guard (W^0 is random)
-    recovery: str = setting("global", one_of=("global", "zero"))  # Eq. 6: pruned slots <- W^{t-1} | 0 (code)
-    dar_form: str = setting("squared", one_of=("squared", "l2"))  # Eq. 3: ||z||^2 | ||z|| (code)
-    ce_norm: str = setting("batch", one_of=("batch", "labels"))  # Eq. 4: batch-mean CE (code, spec 9.4) | CE / |K_i|
-    dar_in_finetune: bool = True  # CE + gamma * DAR in the fine-tune epoch too (code)
-    finetune_epochs: int = setting(1, ge=1)  # dense epochs before pruning (Alg. 1 line 1: one)
+    fusion: bool = setting(True, source="paper Eqs. 1-2 and Table 3 (the code's fusion never runs: spec 10.1)")  # "w/o MFP" ablation: False
+    fuse_from_round: int = setting(2, ge=1, source="code: fusion skipped in round 1 (spec 9.5, 10.6)")  # 1 = Eq. 2 literally from t = 1 (blends 90% of the random W^0 back in)
+    recovery: str = setting("global", one_of=("global", "zero"), source="paper Eq. 6 (the code loses it: spec 10.2)")  # Eq. 6: pruned slots <- W^{t-1} | 0 (code)
+    dar_form: str = setting("l2", one_of=("squared", "l2"), source="code, which gamma was tuned with (spec 9.3, 10.3)")  # ||z|| (code) | ||z||^2 (paper Eq. 3)
+    ce_norm: str = setting("batch", one_of=("batch", "labels"), source="code's batch-mean CE (spec 9.4)")  # Eq. 4: batch-mean CE | CE / |K_i| (Eq. 4 literally)
+    dar_in_finetune: bool = setting(True, source="code (the paper is silent: spec 9.9)")  # CE + gamma * DAR in the fine-tune epoch too
+    finetune_epochs: int = setting(1, ge=1, source="paper Alg. 1 line 1; code agrees")  # dense epochs before pruning
     # "filters": output filters by L1, proportion of 0 in M = rho (paper) | "official": in + out channels (code)
-    prune_scheme: str = setting("filters", one_of=("filters", "official"))
+    prune_scheme: str = setting("filters", one_of=("filters", "official"),
+                                source="paper: rho is the proportion of 0 in M (the code's scheme zeroes ~1-(1-rho)^2)")
     # BN running statistics of the upload (the paper is silent on them):
     # "recovered": re-estimated on the client's Eq.-6-recovered dense model (one forward pass over D_i) |
     # "pruned": those the pruned epochs leave (the literal reading: the global model then evaluates at chance)
-    bn_stats: str = setting("recovered", one_of=("recovered", "pruned"))
-    official_compat: bool = False  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch",
-    #                                prune_scheme="official"
+    bn_stats: str = setting("recovered", one_of=("recovered", "pruned"), source="ours: the paper is silent; the code keeps the pruned ones (module docstring)")
+    official_compat: bool = setting(False, source="paper (True: the published code's behaviour, spec 10)")  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch", prune_scheme="official"
 
     def __post_init__(self):
         if not self.rho_levels:
@@ -171,7 +183,7 @@ def fuse(global_sd: dict, local_sd: dict, alpha: float) -> dict:
 
 # ============================================================================= Eqs. 3-5
 
-def dar_term(z: torch.Tensor, form: str = "squared") -> torch.Tensor:
+def dar_term(z: torch.Tensor, form: str = "l2") -> torch.Tensor:
     """Eq. 3 averaged over the batch: mean_b ||z_b||_2^2 ("squared", paper) or mean_b ||z_b||_2
     ("l2", official code)."""
     z = z.flatten(1)
@@ -181,7 +193,7 @@ def dar_term(z: torch.Tensor, form: str = "squared") -> torch.Tensor:
 
 
 def local_objective(logits: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, gamma: float,
-                    dar_form: str = "squared", num_labels: int = 1) -> torch.Tensor:
+                    dar_form: str = "l2", num_labels: int = 1) -> torch.Tensor:
     """Eq. 5: L = L_CE + gamma * L_DAR, with Eq. 4's L_CE = batch mean of -(1/|K_i|) sum_k y_k log y_hat_k,
     i.e. the usual cross-entropy divided by |K_i| (``num_labels`` = 1: the code's plain CE)."""
     loss = F.cross_entropy(logits, y) / num_labels

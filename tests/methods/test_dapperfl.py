@@ -344,10 +344,11 @@ def test_hparams_types_and_errors():
     assert hp.rho_levels == (0.0, 0.5) and hp.tier_shares == (1.0, 3.0) and hp.gamma == 0.0
     d = DapperFL.Hparams()
     assert (d.alpha0, d.alpha_min, d.epsilon, d.gamma, d.rho_levels) == (0.9, 0.1, 0.2, 0.01, (0, .2, .4, .6, .8))
+    # the defaults rule: gamma was tuned with the code's unsquared DAR; the code's guard skips round 1's fusion
     assert (d.use_fusion, d.use_recovery, d.use_dar_form, d.use_ce_norm, d.use_prune_scheme) == (
-        True, "global", "squared", "batch", "filters")
+        True, "global", "l2", "batch", "filters")
     assert d.bn_stats == "recovered"
-    assert d.fuse_from_round == 1
+    assert d.fuse_from_round == 2
     o = DapperFL.hparams_from({"official_compat": True})
     assert (o.use_fusion, o.use_recovery, o.use_dar_form, o.use_ce_norm, o.use_prune_scheme) == (
         False, "zero", "l2", "batch", "official")
@@ -377,10 +378,10 @@ def test_local_update_trains_the_masked_model_and_reports_its_footprint():
     assert mt["kept_params"] == mt["params"] - sum(int((~k).sum()) for k in masks.values())
     assert mt["nominal_params"] == pytest.approx(0.6 * mt["params"]) and mt["flops"] < mt["flops_dense"]
     assert up.weight == 8.0
-    # round 1: alpha^1 = alpha0 (paper); the code's guard skips it; official_compat: never
-    assert m.local_update(context(m, tiny_net(), rnd=1)).metrics["alpha"] == pytest.approx(0.9)
-    g = DapperFL(DapperFL.hparams_from({"rho": 0.4, "fuse_from_round": 2}), setup())
-    assert g.local_update(context(g, tiny_net(), rnd=1)).metrics["alpha"] == 0.0
+    # round 1: the code's guard skips the fusion (default); Eq. 2 literally: alpha^1 = alpha0; official_compat: never
+    assert m.local_update(context(m, tiny_net(), rnd=1)).metrics["alpha"] == 0.0
+    g = DapperFL(DapperFL.hparams_from({"rho": 0.4, "fuse_from_round": 1}), setup())
+    assert g.local_update(context(g, tiny_net(), rnd=1)).metrics["alpha"] == pytest.approx(0.9)
     o = DapperFL(DapperFL.hparams_from({"rho": 0.4, "official_compat": True}), setup())
     up_o = o.local_update(context(o, tiny_net(), rnd=3))
     assert up_o.metrics["alpha"] == 0.0
@@ -537,7 +538,7 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
 def _one_epoch(hp: dict, net_seed=0, rnd=1, lr=0.5):
     """DapperFL's client step with E = 1 (the fine-tune epoch, fusion and masking; no pruned
     epoch), plain SGD, no DAR: the upload is the fused (and masked) w_hat."""
-    m = DapperFL(DapperFL.hparams_from({"gamma": 0.0, "bn_stats": "pruned", **hp}), setup())
+    m = DapperFL(DapperFL.hparams_from({"gamma": 0.0, "bn_stats": "pruned", "fuse_from_round": 1, **hp}), setup())
     net = tiny_net(net_seed)
     received = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ctx = context(m, net, rnd=rnd, epochs=1, lr=lr)
