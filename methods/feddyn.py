@@ -77,4 +77,5 @@ class FedDyn(Method):
 
 
 def _zeros(model) -> dict:
-    return {k: torch.zeros_like(p.detach()) for k, p in model.named_parameters() if p.requires_grad}
+    """Zeros like each trainable parameter, on the CPU (kept between rounds)."""
+    return {k: torch.zeros(p.shape, dtype=p.dtype) for k, p in model.named_parameters() if p.requires_grad}

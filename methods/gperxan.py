@@ -48,6 +48,7 @@ from raysim.methods.gperxan_layers import (IN_AFFINE_INITS, MIXES, SCORE_INITS, 
                                            select)
 from raysim.settings import setting
 from raysim.tensors import bn_keys, load_tensors
+from raysim.tensors import cpu_copy
 
 NORMS = ("perxan", "xan", "ibn", "bn")
 LR_SCHEDULES = ("engine", "cosine")
@@ -182,7 +183,7 @@ class GPerXAN(GFedAvg):
     # ---- server ---------------------------------------------------------------------------
     def init_server(self, model: nn.Module) -> dict:
         """``global`` holds f_g whole (BN sides included); ``local`` names the BN-side keys."""
-        return {"global": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        return {"global": cpu_copy(model.state_dict()),
                 "local": sorted(self.personal_keys(model))}
 
     def broadcast(self, state: dict, round: int) -> dict:
@@ -210,7 +211,7 @@ class GPerXAN(GFedAvg):
         all of f_i; the averaged BN sides only ever reach the global model)."""
         personal = self.personal_keys(ctx.model)
         sd = ctx.model.state_dict()
-        ctx.state["personal"] = {k: v.detach().clone() for k, v in sd.items() if k in personal}
+        ctx.state["personal"] = cpu_copy({k: v for k, v in sd.items() if k in personal})
         return Upload(tensors={k: v.detach() for k, v in sd.items()}, weight=client_weight(ctx), metrics=stats)
 
     def global_eval_model(self, model: nn.Module, payload: dict) -> nn.Module:

@@ -54,6 +54,7 @@ from raysim.methods.submodels import (SubModelMethod, apply_masks, client_tier, 
 from raysim.models.norm import is_norm
 from raysim.settings import setting
 from raysim.tensors import load_tensors
+from raysim.tensors import cpu_copy
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers: widths 1, 0.8, 0.6, 0.4, 0.2
 
@@ -152,7 +153,7 @@ class NeFL(SubModelMethod):
 
     # ---- server state: the consistent model and one inconsistent set per sub-model ------------
     def init_server(self, model):
-        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        full = cpu_copy(model.state_dict())
         incons = inconsistent_keys(model)
         sets = {}
         for lv in range(len(self.hp.rho_levels)):

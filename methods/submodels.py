@@ -158,7 +158,7 @@ def _expand(idx: torch.Tensor, factor: int) -> torch.Tensor:
     """Channel c of a flattened (C, H, W) map -> columns c * factor .. c * factor + factor - 1."""
     if factor == 1:
         return idx
-    return (idx.view(-1, 1) * factor + torch.arange(factor).view(1, -1)).flatten()
+    return (idx.view(-1, 1) * factor + torch.arange(factor, device=idx.device).view(1, -1)).flatten()
 
 
 def slices(dims: dict, plan: dict) -> dict[str, tuple]:

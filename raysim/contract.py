@@ -28,7 +28,7 @@ from torch import nn
 from raysim.aggregation import Aggregator, WeightedMean
 from raysim.errors import TrainingDiverged
 from raysim.hparams import Hparams
-from raysim.tensors import Tensors, load_tensors
+from raysim.tensors import Tensors, cpu_copy, load_tensors
 
 _TRAIN_MAX_STEPS = object()  # ClientContext.batches: "train.max_steps"
 
@@ -89,7 +89,7 @@ class ClientContext:
     round: int  # 1-based
     model: nn.Module  # shared tensors from the payload and personal tensors from ``state`` loaded
     payload: dict  # the round's broadcast (plus this client's personal payload, under "personal")
-    state: dict  # persists across rounds on the client's host; the method owns its keys
+    state: dict  # persists across rounds on the client's host (tensors on the CPU); the method owns its keys
     data: ClientData
     train: Any  # TrainConfig
     lr: float  # this round's learning rate (after lr_decay)
@@ -220,9 +220,10 @@ class Method:
 
     # ---- server ---------------------------------------------------------------------------
     def init_server(self, model: nn.Module) -> dict:
-        """Server state; ``state["global"]`` holds the shared tensors that are broadcast."""
+        """Server state; ``state["global"]`` holds the shared tensors that are broadcast. Every
+        tensor the server keeps is on the CPU (:func:`raysim.tensors.cpu_copy`)."""
         personal = self.personal_keys(model)
-        return {"global": {k: v.detach().clone() for k, v in model.state_dict().items() if k not in personal}}
+        return {"global": cpu_copy({k: v for k, v in model.state_dict().items() if k not in personal})}
 
     def broadcast(self, state: dict, round: int) -> dict:
         """The one payload every client of the round receives (``ray.put`` once)."""
@@ -243,9 +244,10 @@ class Method:
         return {**state, "global": {**state["global"], **uploads.mean}}
 
     def client_footprint(self, client_id: int, dense: dict) -> dict:
-        """What the client's device trains, for the simulated clock and memory budget:
-        ``{"params": n, "macs": forward multiply-accumulates per sample}``; ``dense`` is the full
-        model's. Pruning methods (DapperFL) return their sub-model's."""
+        """What the client's device must hold, for its memory budget (``clients.profiles``
+        memory_mb): ``{"params": n, "macs": forward multiply-accumulates per sample}``; ``dense`` is
+        the full model's. Pruning methods (DapperFL) return their sub-model's. The simulated clock
+        does not read it: it measures every pass the client step runs (raysim.runtime.compute)."""
         return dense
 
     def server_metrics(self, state: dict) -> dict[str, float]:
@@ -255,9 +257,11 @@ class Method:
 
     # ---- client ---------------------------------------------------------------------------
     def init_client_state(self, client_id: int, model: nn.Module) -> dict:
-        """A client's state before its first round: its personal tensors as initialised."""
+        """A client's state before its first round: its personal tensors as initialised. Every
+        tensor of a client's state is on the CPU between rounds, whatever device trains it
+        (:func:`raysim.tensors.cpu_copy`); ``model`` may be on the host's GPU."""
         personal = self.personal_keys(model)
-        return {"personal": {k: v.detach().clone() for k, v in model.state_dict().items() if k in personal}}
+        return {"personal": cpu_copy({k: v for k, v in model.state_dict().items() if k in personal})}
 
     def load_client_model(self, model: nn.Module, payload: dict, state: dict) -> None:
         """Put the broadcast's shared tensors and the client's personal tensors into ``model``."""
@@ -273,7 +277,7 @@ class Method:
         """Standard upload: keep personal tensors in ``state``, send the shared ones."""
         personal = self.personal_keys(ctx.model)
         sd = ctx.model.state_dict()
-        ctx.state["personal"] = {k: v.detach().clone() for k, v in sd.items() if k in personal}
+        ctx.state["personal"] = cpu_copy({k: v for k, v in sd.items() if k in personal})
         shared = {k: v.detach() for k, v in sd.items() if k not in personal}
         return Upload(tensors=shared, weight=client_weight(ctx), metrics=stats)
 
@@ -281,7 +285,7 @@ class Method:
     def post_train_state(self, ctx: ClientContext) -> Tensors:
         """What ``eval.point: post_train`` scores: the client's model as it leaves training (Ditto:
         its personal model, which FLGo and FDSE score)."""
-        return {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
+        return cpu_copy(ctx.model.state_dict())
 
     def eval_model(self, model: nn.Module, payload: dict, state: dict) -> nn.Module:
         """The model a client is evaluated with (personalised protocol)."""

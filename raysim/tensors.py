@@ -18,6 +18,14 @@ def load_tensors(model: nn.Module, tensors: Tensors) -> None:
             dst.copy_(v.to(dst.device, dst.dtype) if v.device != dst.device or v.dtype != dst.dtype else v)
 
 
+def cpu_copy(tensors: Tensors) -> Tensors:
+    """A detached CPU copy of each tensor. What a method keeps between rounds (the server's state,
+    a client's state) lives on the CPU whatever device trained it: the host keeps many clients'
+    records, spills idle ones to disk and hands them to other hosts; only the round's work runs on
+    the device. (On the CPU this is a plain copy: values are bit-for-bit the same.)"""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
 def tensors_nbytes(tensors) -> int:
     """Bytes of the tensors in a (nested) dict: what a payload or an upload weighs."""
     total = 0

@@ -45,6 +45,7 @@ from raysim.methods.fdse.consistency import ConsistencyRegularizer
 from raysim.methods.fdse.layers import ACTIVATIONS, decompose, dse_blocks
 from raysim.settings import setting
 from raysim.tensors import load_tensors
+from raysim.tensors import cpu_copy
 
 ODD_KERNELS = (1, 3, 5, 7)
 
@@ -122,8 +123,8 @@ class FDSE(Method):
     # ---- server -----------------------------------------------------------------------------
     def init_server(self, model):
         sd = model.state_dict()
-        return {"global": {k: v.detach().clone() for k, v in sd.items() if key_role(k) in ("shared", "stat")},
-                "dse_init": {k: v.detach().clone() for k, v in sd.items() if key_role(k) == "dse"},
+        return {"global": cpu_copy({k: v for k, v in sd.items() if key_role(k) in ("shared", "stat")}),
+                "dse_init": cpu_copy({k: v for k, v in sd.items() if key_role(k) == "dse"}),
                 "dse": {}}  # client id -> its Eq. 9 mix (Alg. 1 line 2: the initial DSE until then)
 
     def client_payload(self, state, client_id, round):
