@@ -2,7 +2,7 @@
 with Generalization Adjustment", CVPR 2023 (Alg. 1; baselines spec 5.2).
 
 Server state: the global model theta and one aggregation weight a_k per client, a_k = 1/N at first.
-Round r:
+Round r (1-based):
     client k: theta_k <- E epochs of SGD on the CE from theta^{r-1};
               m_k^before = its validation metric of theta_k
     server:   theta^r = sum_k a_k theta_k / sum_{k in S} a_k        (every state entry, BN buffers too)
@@ -10,19 +10,30 @@ Round r:
     server:   G_k = m_k^after - m_k^before                            (the generalization gap)
               G^_k = G_k / max_j |G_j|
               a_k <- clip(a_k + s d_r G^_k, 0, 1), then renormalised to sum 1
-              s = +1 for the loss, -1 for the accuracy (a client that lost most gains weight)
-              d_r = (d - (r - 1) d / R) / N                            (linear decay over R rounds)
+              s = -1 for the accuracy, +1 for the loss (a client that lost most gains weight)
+              d_r = (d - (r - 2) d / R) / N                            (linear decay over R rounds)
 The step m_k^after needs no extra message: client k scores the theta^r it receives at the start of
 round r + 1 and uploads G_k with its new model; the server updates a before aggregating round r + 1.
 This is the same computation in the same order (the a_k used to aggregate round r + 1 are the
 ones updated from theta^r's gaps). A client keeps m_k^before (and its round) between rounds.
 
-Choices (spec 5.2 "pitfalls"):
-* metric ``loss``: the paper's generalization gap is a loss gap; the spec recommends the released
-  code's accuracy gap (``fair='acc'``) and the paper wins where they disagree; ``metric: acc`` switches;
+Where the defaults come from (the released code, MediaBrain-SJTU/FedDG-GA; ``raysim methods
+feddg_ga`` lists each one's source):
+* d = 0.2: the code's ``--step_size`` (the paper's d is not reported);
+* metric ``acc``: the code's ``--fair acc`` default, which the README command keeps; the paper
+  calls the gap a "generalization gap" of the loss: ``metric: loss`` switches (spec 5.2 pitfall 1);
+* the decay's round index: the code's loop counts rounds from 0 and adjusts after round i with
+  d - (i - 1) d / R, i.e. d - (r - 2) d / R for the 1-based round r whose global model the gaps
+  were measured on (the first adjustment steps (1 + 1/R) d, not d);
+* the gaps are not centred (the code; the paper is unclear): ``centre: true`` subtracts the mean
+  gap first (ours).
+
+Deviations (spec 5.2 "pitfalls"):
 * 1/N in d_r where the code hard-codes 1/3 (its three source domains): identical for N = 3;
-* all gaps 0 (or none measured): no update; the gaps are not centred (the code; the paper is
-  unclear), ``centre: true`` subtracts the mean gap first;
+* R is the run's number of rounds; the code runs R + 1 rounds (its loop is range(R + 1)) and
+  decays over R, so a run of R rounds here decays by d / R per round where the code, run for as
+  many rounds, would decay by d / (R - 1);
+* all gaps 0 (or none measured): no update;
 * fresh optimizers every round (the code keeps per-client SGD momentum across rounds);
 * a gap counts only when the client also trained in round r, so that theta^r holds its model;
   under partial participation the weights of the round's clients are renormalised among them.
@@ -40,9 +51,9 @@ from raysim.training import evaluate, train_epochs
 
 @dataclass(frozen=True)
 class FedDGGAHparams(Hparams):
-    step_size: float = setting(0.2, gt=0, le=1)  # d (the code's default; the paper's is [U])
-    metric: str = setting("loss", one_of=("loss", "acc"))  # the paper's loss gap | the code's fair='acc'
-    centre: bool = False
+    step_size: float = setting(0.2, gt=0, le=1, source="official code (MediaBrain-SJTU/FedDG-GA, --step_size)")  # d; the paper's is not reported
+    metric: str = setting("acc", one_of=("acc", "loss"), source="official code (--fair acc; spec 5.2 pitfall 1)")  # acc: the code's | loss: the paper's gap
+    centre: bool = setting(False, source="official code (no centring; the paper is unclear)")  # true: subtract the mean gap first (ours)
 
     @classmethod
     def search_space(cls):
@@ -52,8 +63,11 @@ class FedDGGAHparams(Hparams):
 # ----------------------------------------------------------------------------- the equations
 
 def step_size(d: float, rnd: int, rounds: int, num_clients: int) -> float:
-    """d_r = (d - (r - 1) d / R) / N for the gaps measured on theta^r."""
-    return (d - (rnd - 1) * d / rounds) / num_clients
+    """d_r = (d - (r - 2) d / R) / N for the gaps measured on theta^r (r 1-based). The official loop
+    counts its rounds i from 0 and, after round i, steps by d - (i - 1) d / R, one third of it
+    (its three sources; 1/N here): with i = r - 1 that is d - (r - 2) d / R. d = 0.2, R = 15, N = 4:
+    r = 1 gives (0.2 + 0.2/15) / 4 = 0.05333, r = 2 gives 0.05, r = 14 gives (0.2 - 0.16) / 4 = 0.01."""
+    return (d - (rnd - 2) * d / rounds) / num_clients
 
 
 def adjust_weights(weights: dict[int, float], gaps: dict[int, float], step: float, metric: str = "acc",

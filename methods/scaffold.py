@@ -20,6 +20,15 @@ Server (lines 16-17):
 Control variates cover the trainable parameters; BN running statistics are averaged plainly
 (which is what eta_g = 1 gives them). K is the number of optimizer steps actually taken, eta_l
 this round's learning rate.
+
+Devices: every variate SCAFFOLD keeps between rounds (the server's c, each client's c_i) lives on
+the CPU whatever device trains; a client moves c and c_i to ctx.device for the
+round's arithmetic with its model and stores c_i+ back on the CPU (the upload may stay on the
+device: the engine moves it).
+
+Where the defaults come from (``raysim methods scaffold`` lists each one's source): eta_g = 1 is
+the paper's default and FLGo's (the SCAFFOLD FDSE ran); option II is FLGo's (the paper offers I,
+possibly more stable, and II, cheaper: ``option: I``); c and c_i start at 0 (Alg. 1; FLGo).
 """
 from __future__ import annotations
 
@@ -37,8 +46,8 @@ DELTA_C = "delta_c/"  # prefix of the control-variate update among the uploaded 
 
 @dataclass(frozen=True)
 class ScaffoldHparams(Hparams):
-    eta_g: float = setting(1.0, gt=0)  # global step size (paper default 1; FLGo eta = 1)
-    option: str = setting("II", one_of=("I", "II"))  # c_i+ of Alg. 1 line 12 (FLGo: II)
+    eta_g: float = setting(1.0, gt=0, source="paper (default eta_g = 1); FLGo eta=1.0 agrees (spec 2.1)")  # global step size
+    option: str = setting("II", one_of=("I", "II"), source="FLGo, the code FDSE ran (spec 2.1 pitfall 1); the paper offers both")  # c_i+ of Alg. 1 line 12
 
     @classmethod
     def search_space(cls):
@@ -54,6 +63,11 @@ def control_update(c_i: dict, c: dict, x: dict, y: dict, steps: int, lr: float) 
     return {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c_i}
 
 
+def on_cpu(variates: dict) -> dict:
+    """A copy on the CPU: where SCAFFOLD keeps its control variates between rounds."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in variates.items()}
+
+
 def correction(model, drift: dict) -> torch.Tensor:
     """<c - c_i, y> over the parameters (``drift`` = c - c_i): its gradient is the correction."""
     params = dict(model.named_parameters())
@@ -67,22 +81,23 @@ class Scaffold(Method):
     shares = 'shares the model and control-variate updates; keeps its client control variate'
 
     def init_server(self, model):
-        zeros = {k: torch.zeros_like(p, dtype=torch.float32) for k, p in model.named_parameters() if p.requires_grad}
-        return {**super().init_server(model), "c": zeros}
+        return {**super().init_server(model), "c": zero_variates(model)}
 
     def broadcast(self, state, round):
         return {**super().broadcast(state, round), "c": state["c"]}
 
     def init_client_state(self, client_id, model):
-        return {"c": {k: torch.zeros_like(p) for k, p in model.named_parameters() if p.requires_grad}}
+        return {"c": zero_variates(model)}
 
     def local_update(self, ctx: ClientContext) -> Upload:
-        model, c, c_i = ctx.model, ctx.payload["c"], ctx.state["c"]
+        model, dev = ctx.model, ctx.device
+        c = {k: v.to(dev) for k, v in ctx.payload["c"].items()}  # (kept on the CPU between rounds)
+        c_i = {k: v.to(dev) for k, v in ctx.state["c"].items()}
         x = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if self.hp.option == "I":
             c_new = full_gradient(ctx)
             model.load_state_dict(x)  # the pass moved the BN statistics: train from x as received
-        drift = {k: (c[k] - c_i[k]).to(ctx.device) for k in c_i}
+        drift = {k: c[k] - c_i[k] for k in c_i}
         opt = ctx.optimizer()
         for xb, yb in ctx.batches():
             ctx.step(F.cross_entropy(model(xb), yb) + correction(model, drift), opt)  # g_i - c_i + c
@@ -91,7 +106,7 @@ class Scaffold(Method):
         if self.hp.option == "II":
             c_new = control_update(c_i, c, x, y, max(stats["steps"], 1), ctx.lr)
         delta_c = {DELTA_C + k: c_new[k] - c_i[k] for k in c_i}
-        ctx.state["c"] = {k: v.detach().cpu().clone() for k, v in c_new.items()}
+        ctx.state["c"] = on_cpu(c_new)
         return Upload(tensors={**y, **delta_c}, weight=1.0, metrics=stats)  # uniform mean over S
 
     def aggregate(self, state, uploads, round):
@@ -104,6 +119,11 @@ class Scaffold(Method):
         share = len(uploads.clients) / self.setup.num_clients  # (1/N) sum_S = (|S|/N) mean_S
         c = {k: v + share * mean[DELTA_C + k] for k, v in state["c"].items()}
         return {**state, "global": new_x, "c": c}
+
+
+def zero_variates(model) -> dict:
+    """c = 0 (or c_i = 0) for every trainable parameter, on the CPU whatever the model's device."""
+    return {k: torch.zeros(p.shape, dtype=torch.float32) for k, p in model.named_parameters() if p.requires_grad}
 
 
 def full_gradient(ctx: ClientContext) -> dict:

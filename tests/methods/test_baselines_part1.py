@@ -132,6 +132,40 @@ def test_scaffold_server_divides_the_variate_by_all_clients_and_steps_eta_g():
         Scaffold.hparams_from({"option": "III"})
 
 
+class NoBatches:
+    """A client whose epoch has no batch: a round on a ``meta`` model takes no step (a meta
+    tensor has no values for a loss to be read from)."""
+    num_train = 0
+
+    def batches(self, batch_size, generator, device, drop_last=False):
+        return iter(())
+
+
+def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_model_device(monkeypatch):
+    """The server's c and each c_i live on the CPU whatever device trains; a round's drift c - c_i,
+    option II's c_i+ and Delta c_i are computed on ctx.device. A ``meta`` model stands for an
+    accelerator: CPU and meta tensors do not mix ("Tensor on device meta is not on the expected
+    device cpu!"), as CPU and CUDA tensors do not."""
+    import raysim.methods.scaffold as scaffold
+    t = torch.ones(2)  # the copy to the CPU: tensors that share nothing with the model's
+    kept = scaffold.on_cpu({"w": t})["w"]
+    assert kept.device.type == "cpu" and torch.equal(kept, t) and kept.data_ptr() != t.data_ptr()
+    m = Scaffold(Scaffold.Hparams(), setup(2))
+    model = small().to("meta")
+    server = m.init_server(model)
+    payload, state = m.broadcast(server, 1), m.init_client_state(0, model)
+    for variates in (server["c"], payload["c"], state["c"]):
+        assert variates and {v.device.type for v in variates.values()} == {"cpu"}
+    # the copy to the CPU cannot read a meta tensor's values: zeros of its shape stand in for it
+    monkeypatch.setattr(scaffold, "on_cpu", lambda v: {k: torch.zeros(t.shape) for k, t in v.items()})
+    ctx = ClientContext(client_id=0, domain="a", round=1, model=model, payload=payload, state=state,
+                        data=NoBatches(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
+                        generator=torch.Generator().manual_seed(7), device=torch.device("meta"))
+    up = m.local_update(ctx)
+    assert {up.tensors[DELTA_C + k].device.type for k in state["c"]} == {"meta"}  # (the engine moves the upload)
+    assert set(ctx.state["c"]) == set(state["c"]) and {v.device.type for v in ctx.state["c"].values()} == {"cpu"}
+
+
 # ----------------------------------------------------------------------------- FedDyn
 
 def test_feddyn_reaches_the_global_optimum_on_two_quadratics():

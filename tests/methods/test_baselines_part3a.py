@@ -14,11 +14,12 @@ from raysim.config import ModelConfig, TrainConfig
 from raysim.contract import ClientContext, Setup, Upload
 from raysim.errors import UserError
 from raysim.methods.copa import COPA, IBN, copa_loss, ensemble_log_probs, make_ibn
-from raysim.methods.fedadg import (DISC, FedADG, discriminator_loss, feature_loss, generator_loss,
-                                   soft_labels)
+from raysim.methods.fedadg import (DISC, FedADG, FedADGNet, discriminator_loss, feature_loss, generator_loss,
+                                   smoothed_ce, soft_labels)
 from raysim.methods.feddg_ga import FedDGGA, adjust_weights, step_size
 from raysim.methods.fedsr import REFERENCE, FedSR, cmi_term, l2r_term, mc_log_predict
 from raysim.models import build
+from raysim.models.base import Net
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,6 +75,21 @@ def init_weights(model, seed=0):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+class Batch:
+    """One fixed batch per epoch (no shuffling): the data of the hand-computed client steps."""
+    def __init__(self, x, y):
+        self.x, self.y, self.num_train, self.val = x, y, len(y), None
+
+    def batches(self, batch_size, generator, device, drop_last=False):
+        yield self.x, self.y
+
+
+def one_batch_context(model, data, state=None, epochs=1, lr=0.1):
+    return ClientContext(client_id=0, domain="a", round=1, model=model, payload={}, state=state or {}, data=data,
+                         train=TrainConfig(epochs=epochs, batch_size=len(data.y), lr=lr), lr=lr,
+                         generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+
+
 # ----------------------------------------------------------------------------- FedSR (5.1)
 
 def test_fedsr_cmi_kl_by_hand():
@@ -96,6 +112,46 @@ def test_fedsr_l2r_by_hand():
     z = torch.tensor([[3.0, 4.0]])
     assert float(l2r_term(z)) == pytest.approx(5.0) and float(l2r_term(z, squared=True)) == pytest.approx(25.0)
     assert float(l2r_term(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))) == pytest.approx(2.5)  # batch mean
+
+
+def fedsr_fixed_encoder(hp: dict, mu, sigma_raw):
+    """A FedSR client whose encoder outputs mu and raw sigma whatever the image (its last Linear's
+    weight 0, its bias (mu, raw sigma)) and whose classifier starts at 0."""
+    m = FedSR(FedSR.Hparams.from_dict({"z_dim": 2, **hp}), setup())
+    model = m.build_model()
+    with torch.no_grad():
+        model.features[-1].weight.zero_()
+        model.features[-1].bias.copy_(torch.tensor([*mu, sigma_raw, sigma_raw]))
+        model.head.weight.zero_(), model.head.bias.zero_()
+    return m, model
+
+
+def test_fedsr_default_l2r_is_the_codes_unsquared_norm():
+    """alpha_L2R = 0.01 was tuned on the official code's E||z||_2 (spec 5.1 pitfall 1). mu = (3, 4)
+    and no noise: z = (3, 4), L2R = 5; with alpha_CMI = 0 and a zero classifier (no CE gradient
+    reaches z) one step moves mu's bias by -lr alpha z / ||z|| = -0.001 (0.6, 0.8); the paper's
+    squared form would report 25 and move it by -lr alpha 2 z = -0.002 (3, 4)."""
+    assert FedSR.Hparams().l2r == "norm"
+    y = torch.tensor([0, 0, 1, 2])
+    for form, l2r, moved in ((None, 5.0, [2.9994, 3.9992]), ("squared", 25.0, [2.994, 3.992])):
+        m, model = fedsr_fixed_encoder({"alpha_cmi": 0.0, **({"l2r": form} if form else {})}, (3.0, 4.0), 0.0)
+        model.noise = lambda shape, like, generator: torch.zeros(shape)
+        up = m.local_update(one_batch_context(model, Batch(torch.zeros(4, 1, 8, 8), y)))
+        assert up.metrics["l2r"] == pytest.approx(l2r)
+        assert model.features[-1].bias[:2].tolist() == pytest.approx(moved, abs=1e-6)
+
+
+def test_fedsr_trains_the_classifier_on_a_sampled_z():
+    """z = mu + sigma e, not mu. mu = 0, sigma = softplus(raw) = s, e = 1: z = (s, s) for every
+    image; a zero classifier predicts 1/3 each, so one step gives W[c] = -lr s (1/3 - the share of
+    class c in the batch) on both coordinates: labels (0, 0, 1, 2) -> lr s (1/6, -1/12, -1/12).
+    Trained on z = mu = 0, W would not move."""
+    m, model = fedsr_fixed_encoder({"alpha_l2r": 0.0, "alpha_cmi": 0.0}, (0.0, 0.0), 0.5)
+    s = float(F.softplus(torch.tensor(0.5)))
+    model.noise = lambda shape, like, generator: torch.ones(shape)
+    m.local_update(one_batch_context(model, Batch(torch.zeros(4, 1, 8, 8), torch.tensor([0, 0, 1, 2]))))
+    expected = [[0.1 * s / 6] * 2, [-0.1 * s / 12] * 2, [-0.1 * s / 12] * 2]
+    assert model.head.weight.tolist() == [pytest.approx(row, abs=1e-7) for row in expected]
 
 
 def test_fedsr_prediction_is_the_log_of_the_mean_softmax():
@@ -160,16 +216,25 @@ def test_feddg_ga_loss_sign_clipping_centring_and_zero_gaps():
     assert new[0] == pytest.approx((1 / 3 + 0.1) / 1.1) and new[2] == pytest.approx((1 / 3) / 1.1)
 
 
-def test_feddg_ga_step_size_decays_linearly_over_n():
-    assert step_size(0.2, 1, 10, 3) == pytest.approx(0.2 / 3)
-    assert step_size(0.2, 6, 10, 4) == pytest.approx((0.2 - 5 * 0.02) / 4)  # 0.025
-    assert step_size(0.2, 10, 10, 2) == pytest.approx(0.02 / 2)
+def test_feddg_ga_step_size_follows_the_official_round_index():
+    """The official loop counts rounds i from 0 and, after round i, steps by (d - (i - 1) d / R) / 3;
+    the gaps measured on theta^r (r = i + 1) step by (d - (r - 2) d / R) / N. d = 0.2, R = 15, N = 4
+    (digits5 LODO): 0.05 - (r - 2) / 300, from 0.0533 at r = 1 to 0.01 at r = 14 (the gaps on
+    theta^15 would serve a 16th round)."""
+    assert step_size(0.2, 1, 15, 4) == pytest.approx((0.2 + 0.2 / 15) / 4)  # 0.05333: (1 + 1/R) d at first
+    assert step_size(0.2, 2, 15, 4) == pytest.approx(0.05)
+    assert step_size(0.2, 3, 15, 4) == pytest.approx((0.2 - 0.2 / 15) / 4)  # 0.04667
+    assert step_size(0.2, 14, 15, 4) == pytest.approx(0.01)
+    assert [round(step_size(0.2, r, 15, 4), 6) for r in range(1, 15)] == pytest.approx(
+        [round(0.05 - (r - 2) / 300, 6) for r in range(1, 15)])
+    assert step_size(0.2, 1, 10, 3) == pytest.approx(0.22 / 3)  # the code's 1/3 for N = 3
 
 
 def test_feddg_ga_server_aggregates_with_the_adjusted_weights_not_n_k():
     """theta_k = (0, 3, 6) with n_k = (1, 1, 10). Round 1 (no gaps): a = 1/3 each, theta = 3.
-    Round 2 with accuracy gaps (-0.1, -0.2, 0) and d_1 = 0.2 / 3: a = (1/3, 4/11, 10/33),
-    theta = 3 * 4/11 + 6 * 10/33 = 96/33."""
+    Round 2 with accuracy gaps (-0.1, -0.2, 0), measured on theta^1: d_1 = (0.2 + 0.2/10) / 3 = 0.22/3,
+    G^ = (-0.5, -1, 0), a = (1/3 + 0.11/3, 1/3 + 0.22/3, 1/3) / 1.11 = (1/3, 122/333, 100/333),
+    theta = 3 * 122/333 + 6 * 100/333 = 966/333."""
     m = FedDGGA(FedDGGA.hparams_from({"metric": "acc"}), setup(3, rounds=10))
     assert isinstance(m.aggregator, KeepAll)
     state = {"global": {"w": torch.zeros(1)}, "weights": {}}
@@ -179,12 +244,32 @@ def test_feddg_ga_server_aggregates_with_the_adjusted_weights_not_n_k():
     gaps = (-0.1, -0.2, 0.0)
     ups = {k: Upload({"w": torch.tensor([3.0 * k])}, weight=1.0, extras={"gap": g}) for k, g in enumerate(gaps)}
     state = m.aggregate(state, AllUploads(ups), 2)
-    assert float(state["global"]["w"]) == pytest.approx(96 / 33, rel=1e-6)
-    assert m.server_metrics(state)["weight_1"] == pytest.approx(4 / 11)
+    assert float(state["global"]["w"]) == pytest.approx(966 / 333, rel=1e-6)
+    assert m.server_metrics(state)["weight_1"] == pytest.approx(122 / 333)
+
+
+def test_feddg_ga_default_is_the_codes_accuracy_gap_and_favours_the_client_that_lost_accuracy():
+    """The released code's default (--fair acc). N = 2, R = 10, theta_k = (0, 1); accuracy gaps
+    (-0.2, +0.2): client 0 lost accuracy to the average, so it gains weight. Round 2 (gaps on
+    theta^1): d = (0.2 + 0.02) / 2 = 0.11, a = (0.61, 0.39), theta = 0.39; round 3 (theta^2):
+    d = 0.2 / 2 = 0.1, a = (0.71, 0.29), theta = 0.29. (A loss gap of the same sign would move the
+    weights the other way: theta = 0.61.)"""
+    assert FedDGGA.Hparams().metric == "acc"
+    m = FedDGGA(FedDGGA.Hparams(), setup(2, rounds=10))
+    state = {"global": {"w": torch.zeros(1)}, "weights": {}}
+    ups = {k: Upload({"w": torch.tensor([float(k)])}, weight=1.0) for k in range(2)}
+    state = m.aggregate(state, AllUploads(ups), 1)
+    assert float(state["global"]["w"]) == pytest.approx(0.5)
+    for rnd, a0 in ((2, 0.61), (3, 0.71)):
+        ups = {k: Upload({"w": torch.tensor([float(k)])}, weight=1.0, extras={"gap": g})
+               for k, g in enumerate((-0.2, 0.2))}
+        state = m.aggregate(state, AllUploads(ups), rnd)
+        assert m.server_metrics(state) == pytest.approx({"weight_0": a0, "weight_1": 1 - a0})
+        assert float(state["global"]["w"]) == pytest.approx(1 - a0)
 
 
 def test_feddg_ga_client_uploads_the_gap_of_the_received_model():
-    m = FedDGGA(FedDGGA.hparams_from({"metric": "acc"}), setup())
+    m = FedDGGA(FedDGGA.Hparams(), setup())  # the default: the accuracy gap
     model = build("small_cnn", num_classes=3, in_channels=1, input_size=8, norm="bn")
     payload = m.broadcast(m.init_server(model), 1)
     ctx = context(model, payload, m.init_client_state(0, model), rnd=1)
@@ -295,7 +380,73 @@ def test_fedadg_losses_by_hand():
     assert float(discriminator_loss(ref, feat)) == pytest.approx(0.13)
     assert float(generator_loss(ref)) == pytest.approx(0.64)
     assert float(feature_loss(torch.tensor(1.0), feat, 0.85)) == pytest.approx(0.85 + 0.15 * 0.49)
-    assert soft_labels(torch.tensor([1]), 3).tolist() == [pytest.approx([0.15, 0.7, 0.15])]
+    # y_s: 0.7 on the true class and 0 elsewhere (the code's), or the rest spread over the others
+    assert soft_labels(torch.tensor([1]), 3).tolist() == [pytest.approx([0.0, 0.7, 0.0])]
+    assert soft_labels(torch.tensor([1]), 3, 0.7, "spread").tolist() == [pytest.approx([0.15, 0.7, 0.15])]
+
+
+def test_fedadg_smoothed_ce_by_hand():
+    """p = (1/2, 1/4, 1/4), y = 0, eps = 0.2. The code's target (0.8, 0.1, 0.1): 0.8 ln 2 + 0.2 * 2 ln 2
+    = 1.2 ln 2; PyTorch's (0.8 + 0.2/3, 0.2/3, 0.2/3): (0.8 + 0.2/3) ln 2 + (0.4/3) 2 ln 2 = 17/15 ln 2."""
+    logits, y = torch.tensor([[math.log(2), 0.0, 0.0]]), torch.tensor([0])
+    assert float(smoothed_ce(logits, y, 0.2)) == pytest.approx(1.2 * math.log(2))
+    assert float(smoothed_ce(logits, y, 0.2, "uniform")) == pytest.approx(17 / 15 * math.log(2))
+    assert float(smoothed_ce(logits, y, 0.0)) == pytest.approx(math.log(2))  # eps 0: the plain CE
+
+
+def tiny_fedadg(hp: dict):
+    """F = BatchNorm1d(2) on 2 numbers, C = Linear(2, 3) with weight 0 and bias (ln 2, 0, 0)
+    (p = (1/2, 1/4, 1/4) for every image, and no CE gradient reaches F); one batch x = ((1, 3), (3, 5)),
+    y = (0, 1): train-mode BN gives F(x) = (-1, -1), (1, 1) (times 1 / sqrt(1 + 1e-5)), eval mode
+    with the initial running statistics F(x) = x / sqrt(1 + 1e-5)."""
+    m = FedADG(FedADG.Hparams.from_dict({"rp_size": 4, "ce_epochs": 0, "label_smoothing": 0.2, **hp}), setup())
+    head = nn.Linear(2, 3)
+    with torch.no_grad():
+        head.weight.zero_(), head.bias.copy_(torch.tensor([math.log(2), 0.0, 0.0]))
+    model = FedADGNet(Net(nn.Sequential(nn.Flatten(), nn.BatchNorm1d(2)), head, (1, 1, 2)), 4, seed=0)
+    data = Batch(torch.tensor([[1.0, 3.0], [3.0, 5.0]]).view(2, 1, 1, 2), torch.tensor([0, 1]))
+    return m, model, data
+
+
+def test_fedadg_warm_up_and_feature_step_smooth_over_the_other_classes():
+    """The CE on the tiny batch: (1.2 ln 2 + 1.9 ln 2) / 2 = 1.55 ln 2 with the code's eps / (C - 1)
+    (y = 1: 0.8 * 2 ln 2 + 0.1 ln 2 + 0.1 * 2 ln 2 = 1.9 ln 2); PyTorch's eps / C gives
+    (17/15 + 29/15) / 2 ln 2 = 23/15 ln 2. The warm-up's first loss is that CE; without a warm-up,
+    step (b)'s loss is 0.85 CE + 0.15 mean[(1 - D(F))^2]."""
+    assert FedADG.Hparams().smoothing == "others"
+    for hp, ce in (({}, 1.55 * math.log(2)), ({"smoothing": "uniform"}, 23 / 15 * math.log(2))):
+        for warm_up in (1, 0):
+            m, model, data = tiny_fedadg({"ce_epochs": warm_up, **hp})
+            ctx = one_batch_context(model, data)
+            losses, step, d_out = [], ctx.step, []
+            ctx.step = lambda loss, *opts, **kw: (losses.append(float(loss.detach())), step(loss, *opts, **kw))
+            model.disc.register_forward_hook(lambda mod, args, out: d_out.append(out.detach().clone()))
+            m.local_update(ctx)
+            adversarial = 0.15 * float(((1 - d_out[2]) ** 2).mean())  # D's calls: (a) D(G), D(F); (b) D(F)
+            assert losses[0] == pytest.approx(ce if warm_up else 0.85 * ce + adversarial, rel=1e-6)
+
+
+def test_fedadg_discriminator_sees_eval_mode_features_and_the_codes_soft_labels():
+    """Step (a) scores F(x) with F in eval mode (the code), step (b) the train-mode F(x); y_s is 0.7
+    on the true class and 0 elsewhere. The eval pass leaves BN's running statistics alone: after
+    the one train-mode pass running_mean = 0.1 * (2, 4)."""
+    defaults = FedADG.Hparams()
+    assert (defaults.disc_features, defaults.soft_label_rest) == ("eval", "zero")
+    x = torch.tensor([[1.0, 3.0], [3.0, 5.0]])
+    train_f = torch.tensor([[-1.0, -1.0], [1.0, 1.0]])
+    for hp, step_a, ys in (({}, x, [[0.7, 0, 0], [0, 0.7, 0]]),
+                           ({"disc_features": "train", "soft_label_rest": "spread"}, train_f,
+                            [[0.7, 0.15, 0.15], [0.15, 0.7, 0.15]])):
+        m, model, data = tiny_fedadg(hp)
+        calls = []
+        model.disc.register_forward_hook(lambda mod, args, out: calls.append([a.detach().clone() for a in args]))
+        m.local_update(one_batch_context(model, data))
+        # D's calls: (a) D(G), D(F); (b) D(F); (c) D(G)
+        scale = 1 / math.sqrt(1 + 1e-5)
+        assert torch.allclose(calls[1][1], step_a * scale, atol=1e-5)
+        assert torch.allclose(calls[2][1], train_f * scale, atol=1e-5)
+        assert calls[1][0].tolist() == [pytest.approx(row) for row in ys]
+        assert model.features[1].running_mean.tolist() == pytest.approx([0.2, 0.4])
 
 
 def test_fedadg_client_keeps_d_uploads_f_c_g_and_draws_only_from_its_generator():
