@@ -34,6 +34,13 @@ Choices:
   K copies of an image fall into the same K consecutive steps.
 * Statistics at the data's resolution (the code resizes to 512 px for the feature variant).
 * Only the overall (domain) style mode; the single-image mode is not implemented.
+
+Where the defaults come from (``raysim methods ccst``): K = 3, the official README's overall-style
+runs on PACS and Office-Home (K = 4 on Camelyon17, the number of source hospitals; gPerXAN: "K = N";
+configs/gperxan/camelyon17_lodo.yaml sets it). ``variant: image`` is not the paper's form (that is
+``feature``, the paper's VGG-19 AdaIN): the pretrained encoder and decoder cannot be fetched here, so
+a default that needs them would fail on every config; it is a stated deviation, not a choice
+between the paper's and the code's forms.
 """
 from __future__ import annotations
 
@@ -56,10 +63,10 @@ EPS = 1e-5  # inside the root of every std (spec 5.4)
 
 @dataclass(frozen=True)
 class CCSTHparams(Hparams):
-    variant: str = setting("image", one_of=("image", "feature"))
-    k: int = setting(3, ge=1)  # styles per image (README: 3 for PACS and Office-Home)
-    encoder_path: str = setting("")  # feature variant: the normalised VGG-19 state dict (vgg_normalised.pth)
-    decoder_path: str = setting("")  # feature variant: the AdaIN decoder state dict (decoder.pth)
+    variant: str = setting("image", one_of=("image", "feature"), source="ours: no pretrained AdaIN weights offline (the paper: feature)")  # image: pixel-statistics AdaIN | feature: the paper's VGG-19 AdaIN
+    k: int = setting(3, ge=1, source="official README (overall style, K=3 for PACS and Office-Home)")  # styles per image (Camelyon17: 4)
+    encoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)")  # feature variant: the normalised VGG-19 state dict (vgg_normalised.pth)
+    decoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)")  # feature variant: the AdaIN decoder state dict (decoder.pth)
 
     def __post_init__(self):
         if self.variant != "feature":

@@ -3,12 +3,19 @@ Personalization", ICML 2021 (Algorithm 1).
 
 Client k, round t, receives w^t (its state: the personal model v_k, a copy of the first global
 model it receives):
-    for every batch (x, y) of E epochs, one step of each solver on the same batch (FLGo):
+    for every batch (x, y) of E epochs, one step of each solver on the same batch (code, FLGo):
         global:    w   <- w   - eta grad L_k(w)                                   (FedAvg's local step)
         personal:  v_k <- v_k - eta ( grad L_k(v_k) + lambda (v_k - w^t) )        (w^t: as received, frozen)
     upload w; keep v_k.        Server: FedAvg over w.
 Each client is scored with v_k (its BN statistics included); the global and lodo protocols score w.
 The proximal term covers the trainable parameters.
+
+Where the default comes from (``raysim methods ditto``): lambda = 1, the value of every run script
+of the official code (litian96/ditto, ``--lam=1``); the paper lets each device pick lambda on its
+validation data ({0.1, 1, 2} unless the attack is strong), falling back to 1. The FDSE configs set FDSE's
+own values (Office 0.01, PACS 1e-4, from the FDSE repo). The solvers' form is the official code's
+too: one step of each on the same batch (the code takes the personal step first; the two are
+independent, both anchored at the frozen w^t), with the proximal gradient lambda (v_k - w^t).
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from raysim.tensors import load_tensors
 
 @dataclass(frozen=True)
 class DittoHparams(Hparams):
-    lam: float = setting(0.01, ge=0)  # lambda; the middle of FDSE's grid {1e-4, 1e-3, 1e-2, 0.1, 1}
+    lam: float = setting(1.0, ge=0, source="official code's run scripts (litian96/ditto --lam=1)")  # lambda; FDSE's grid {1e-4, 1e-3, 1e-2, 0.1, 1}
 
     @classmethod
     def search_space(cls):

@@ -41,6 +41,12 @@ Choices the paper leaves open, and which this file takes:
   * The paper's lossy compression of the down- and uplink (Kashin / Hadamard, quantisation) is a
     separate technique and is not applied. The engine broadcasts the dense global model, so
     bytes_down counts it; bytes_up and the footprint (client_footprint) are the sub-model's.
+
+Where the defaults come from (``raysim methods feddrop``): Caldas et al. sweep the kept fraction
+({0.5, ..., 0.875, 1}), so no value of theirs is "the" default; rho = 0.6 for every client is how
+DapperFL ran FedDrop (its code's best_args), the only seed that compares it. The other defaults are
+the paper's description where it gives one (updates mapped back and averaged as in FedAvg, no
+rescaling) and ours where it is silent (who draws the masks), as listed above.
 """
 from __future__ import annotations
 
@@ -57,12 +63,12 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class FedDropHparams(Hparams):
-    rho: float = setting(0.6, ge=0, lt=1)  # fraction of every layer's filters / units dropped (DapperFL's code: 0.6)
+    rho: float = setting(0.6, ge=0, lt=1, source="DapperFL's code best_args (uniform 0.6); the paper sweeps it")  # fraction of every layer's filters / units dropped
     # one ratio per capability tier instead of rho (None: rho for everyone, DapperFL's comparison)
-    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1)
-    mask_scope: str = setting("client", one_of=("client", "round"))  # a sub-model per client and round | per round
-    aggregation: str = setting("all", one_of=("all", "holders"))  # zero update where dropped | holders' mean
-    rescale: bool = False  # train with each layer's output x C / kept of its input (inverted dropout); paper: none
+    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1, source="paper and DapperFL: one ratio for every client")
+    mask_scope: str = setting("client", one_of=("client", "round"), source="ours: the paper is silent (the usual per-client reading)")  # a sub-model per client and round | per round
+    aggregation: str = setting("all", one_of=("all", "holders"), source="paper: updates mapped back, averaged as in FedAvg")  # zero update where dropped | holders' mean
+    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (inverted dropout)
 
     def __post_init__(self):
         if self.rho_levels is not None and not self.rho_levels:

@@ -8,8 +8,15 @@ Server (state: h, 0 at first):
     h       <- h - (alpha / N) sum_{k in S} (theta_k - theta^{t-1})          (N: all clients)
     theta^t  = (1 / |S|) sum_{k in S} theta_k - h / alpha                    (the scored model)
 The linear and quadratic terms, g_k and h cover the trainable parameters; BN running statistics
-are averaged plainly. alpha is uniform across clients (the paper, FLGo), not the official code's
-alpha / (n_k / mean n).
+are averaged plainly.
+
+Where the default comes from (``raysim methods feddyn``): alpha = 0.01, the official code's
+(alpemreacar/FedDyn: ``alpha_coef = 1e-2`` in its CIFAR-10 and synthetic examples); it is also in
+FDSE's grid (FLGo's default is 0.1). Two forms of the official code have no switch here (FDSE ran
+FLGo's, which is this file's): it scales alpha per client, alpha / (n_k / mean_j n_j) (the same as
+uniform alpha when the clients hold equal data), and the accuracies it reports are those of plain
+means of client models (the round's, or every client's latest), while theta^t (with the -h / alpha
+correction) is what it sends to the clients and what is scored here.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class FedDynHparams(Hparams):
-    alpha: float = setting(0.01, gt=0)  # the middle of FDSE's grid {0.001, 0.01, 0.03, 0.1} (FLGo default 0.1)
+    alpha: float = setting(0.01, gt=0, source="official code (alpemreacar/FedDyn examples: alpha_coef = 1e-2)")  # in FDSE's grid {0.001, 0.01, 0.03, 0.1} (FLGo default 0.1)
 
     @classmethod
     def search_space(cls):

@@ -11,11 +11,20 @@ probability p per forward pass (one draw for the batch). For x of shape B x C x 
     S2hat = (1 + g) * S2                                                   (for mu and for sigma)
     out = (sigma + e2 * sqrt(S2hat_sigma)) * (x - mu) / sigma + (mu + e1 * sqrt(S2hat_mu)),   e ~ N(0, 1)
 Server: FedAvg of every parameter and buffer; then, per FFA layer, S2bar_mu = Var_k(mu_bar_k) and
-S2bar_sigma = Var_k(sigma_bar_k) across the round's clients: per channel (the paper's reading, the
-default), or one scalar over the K x C matrix copied to every channel (the released code and FDSE's
-port: then g = 1 whatever the clients' statistics; ``shared_var: scalar_code``).
+S2bar_sigma = Var_k(sigma_bar_k) across the round's clients: one scalar over the K x C matrix copied
+to every channel (the released code and FDSE's port: then g = 1 whatever the clients' statistics;
+``shared_var: scalar_code``, the default), or per channel (the paper's equation; ``per_channel``).
 Data exchange: each client uploads its per-channel running feature means and stds (2 C floats per
 FFA layer), the server broadcasts their cross-client variances.
+
+Where the defaults come from (``raysim methods fedfa``): the authors' released code (tfzhou/FedFA),
+the form the paper's settings were run with. p = 0.5, momentum 0.99 and eps = 1e-6 are its
+FFALayer's defaults. Where the paper's equation and the code differ, the code's form is the default
+and the paper's a switch:
+  * ``shared_var: scalar_code`` (code: ``torch.var`` of the stacked K x C statistics is one number);
+    ``per_channel`` is the paper's per-channel client-sharing variance. FDSE ran the code's form.
+  * No switch: the paper's Algorithm 1 restarts each client's running statistics (mu_bar = 0,
+    sigma_bar = 1) every round; the code, and this file, keep the FedAvg-ed buffers.
 """
 from __future__ import annotations
 
@@ -35,10 +44,10 @@ FFA = "ffa"  # module-name prefix of the inserted layers
 
 @dataclass(frozen=True)
 class FedFAHparams(Hparams):
-    p: float = setting(0.5, ge=0, le=1)  # probability an FFA layer augments a batch (code)
-    momentum: float = setting(0.99, ge=0, lt=1)  # of the running statistics (code)
-    eps: float = setting(1e-6, gt=0)
-    shared_var: str = setting("per_channel", one_of=("per_channel", "scalar_code"))
+    p: float = setting(0.5, ge=0, le=1, source="official code (tfzhou/FedFA FFALayer prob=0.5)")  # probability an FFA layer augments a batch
+    momentum: float = setting(0.99, ge=0, lt=1, source="official code (tfzhou/FedFA FFALayer momentum1=0.99)")  # of the running statistics
+    eps: float = setting(1e-6, gt=0, source="official code (tfzhou/FedFA FFALayer eps=1e-6)")
+    shared_var: str = setting("scalar_code", one_of=("per_channel", "scalar_code"), source="official code (tfzhou/FedFA FedFAComm: one scalar variance); FDSE's port agrees")  # scalar_code: the code's | per_channel: the paper's equation
 
 
 class FFALayer(nn.Module):

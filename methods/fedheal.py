@@ -14,6 +14,12 @@ dP_k. For each client k of the round, on every floating-point entry (BN statisti
     theta^t = theta^{t-1} + sum_k omega_k * u~_k,   omega_k = w_k m_k / sum_j w_j m_j  (element-wise)
 An element no client keeps does not move. Integer buffers take the plain mean. The history is
 model-sized per client on the server: a cross-silo method.
+
+Where the defaults come from (``raysim methods fedheal``): tau = 0.3 and beta = 0.4 are the official
+code's defaults (yuhangchen0/FedHEAL ``--threshold 0.3 --beta 0.4``). FDSE's configs set its own
+tau (Office 0.2, PACS 0.1, from the FDSE repo). The history's denominator is the client's own
+participation count; the official code uses the round index, which is the same under full
+participation (its setting), so there is no switch.
 """
 from __future__ import annotations
 
@@ -29,8 +35,8 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class FedHEALHparams(Hparams):
-    tau: float = setting(0.3, ge=0, le=1)  # consistency threshold: the official default, the middle of FDSE's grid
-    beta: float = setting(0.4, ge=0, le=1)  # momentum of the weight updates (official default)
+    tau: float = setting(0.3, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --threshold 0.3)")  # consistency threshold; the middle of FDSE's grid
+    beta: float = setting(0.4, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --beta 0.4)")  # momentum of the weight updates
 
     @classmethod
     def search_space(cls):

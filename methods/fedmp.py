@@ -40,6 +40,11 @@ spec section 6.1 [R]):
   * The engine broadcasts the dense global model (bytes_down counts it); the sub-model is cut on
     the client from it. bytes_up and the footprint (client_footprint) are the sub-model's; the
     structured footprint of a conv is ~(1 - rho)^2 of its parameters, not the nominal (1 - rho).
+
+Where the defaults come from (``raysim methods fedmp``): FedMP's own ratios come from its bandit at
+run time (not implemented, above), so the ratios are DapperFL's, the only seed that compares FedMP:
+its tiers {0, 0.2, 0.4, 0.6, 0.8} (the code's best_args pr_ratios), the stem left unpruned (its
+rule, spec 6.1 [R]). No rescaling: the paper describes none.
 """
 from __future__ import annotations
 
@@ -59,10 +64,10 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
 
 @dataclass(frozen=True)
 class FedMPHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1)  # pruning ratio of each capability tier
-    rho: float | None = setting(None, ge=0, lt=1)  # one ratio for every client (DapperFL Fig. 3); overrides tiers
-    prune_stem: bool = False  # also prune the stem's filters (and, in a ResNet, layer1's stream)
-    rescale: bool = False  # train with each layer's output x C / kept of its input (HeteroFL's scaler); paper: none
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL Sec. 4.2 / code pr_ratios (FedMP's bandit not implemented)")  # pruning ratio of each capability tier
+    rho: float | None = setting(None, ge=0, lt=1, source="DapperFL Tables 1-2: ratios by tier, none uniform")  # one ratio for every client (DapperFL Fig. 3); overrides tiers
+    prune_stem: bool = setting(False, source="DapperFL's pruning rule: stem skipped (spec 6.1 [R])")  # also prune the stem's filters (and, in a ResNet, layer1's stream)
+    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (HeteroFL's scaler)
 
     def __post_init__(self):
         if not self.rho_levels:

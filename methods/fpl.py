@@ -13,6 +13,11 @@ Client k, round t, from the global model; z = the representation (the classifier
 Server: FedAvg of the models; per class, FINCH (cosine) over the clients' p_{k,c}, its last
 (coarsest) partition, a cluster prototype = the mean of its members; broadcast every P_c.
 Data exchange: per-client, per-class mean embeddings up; cluster means of all clients' embeddings down.
+
+Where the default comes from (``raysim methods fpl``): tau = 0.02, the paper's value and the official
+code's (WenkeHuang/RethinkFL ``--infoNCET 0.02`` since commit edac25f, "fix bug"; the first commit had
+0.1, which spec 4.3 read); DapperFL Table 4 uses 0.02 too. The loss weights (1 and 1) and the
+last-epoch prototypes are the paper's and the code's alike.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class FPLHparams(Hparams):
-    tau: float = setting(0.02, gt=0, expected="> 0")  # the paper's and DapperFL Table 4's (the RethinkFL code: 0.1)
+    tau: float = setting(0.02, gt=0, expected="> 0", source="paper; official code agrees (RethinkFL --infoNCET 0.02)")  # temperature of L_CPCL; DapperFL Table 4 too
 
     @classmethod
     def search_space(cls):

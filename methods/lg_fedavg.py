@@ -10,6 +10,14 @@ classifier; a norm layer right after a global layer belongs to it: AlexNet's fc2
 Each client is scored with [phi_k, omega]. The official code averages uniformly: set
 ``train.weighting: uniform`` to reproduce it (with equal client sizes the two agree). No FedAvg
 warm start (the official scripts load a pre-trained FedAvg model; the seeds train from scratch).
+
+Where the default comes from (``raysim methods lg_fedavg``): ``global_layers = 2``, the official
+code's CIFAR-10 runs (pliang279/LG-FedAvg: ``--num_layers_keep 2``; MNIST: 3; argparse default 1),
+and spec 3.2's choice for FDSE's AlexNet (fc2 + bn7 and the head). One caveat, no switch: the
+code counts the kept layers from the end of each network's ``weight_keys`` list, which for its
+CIFAR CNN is ordered fc1, fc2, fc3, conv2, conv1, so its CIFAR runs share the two *conv* layers and
+keep the fc layers local; the MNIST MLP's list is in forward order (top layers shared, as the paper
+describes). The top-layer reading here is the paper's.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class LGFedAvgHparams(Hparams):
-    global_layers: int = setting(2, ge=1)  # the official num_layers_keep = 2: the last two weight layers
+    global_layers: int = setting(2, ge=1, source="official code's CIFAR-10 scripts (--num_layers_keep 2); spec 3.2 for AlexNet")  # the last two weight layers are global
 
     @classmethod
     def search_space(cls):

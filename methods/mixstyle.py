@@ -11,7 +11,10 @@ Server: plain FedAvg (the layer has no parameters or buffers). Scored: the globa
 MixStyle at test time).
 
 Choices:
-* p = 0.5, alpha = 0.1, eps = 1e-6: the paper's defaults.
+* p = 0.5, alpha = 0.1, eps = 1e-6: the paper's defaults and the authors' release's
+  (KaiyangZhou/mixstyle-release, ``MixStyle(p=0.5, alpha=0.1, eps=1e-6)``). One form differs from the
+  release, with no switch: the release takes the unbiased variance over H x W (torch's default),
+  this file the population one; sigma differs by a factor sqrt(HW / (HW - 1)), about 1% at 7 x 7.
 * Where: the paper puts MixStyle after res1, res2 and res3 of a ResNet (not res4: "early layers"
   hold style, late ones semantics). Here: after the first three residual stages of a ResNet, and
   after every conv block but the last, at most three, of a plain CNN (small_cnn: pool1; cnn6:
@@ -44,9 +47,9 @@ PREFIX = "mixstyle"
 
 @dataclass(frozen=True)
 class MixStyleHparams(Hparams):
-    p: float = setting(0.5, ge=0, le=1)  # probability a MixStyle layer mixes a batch (paper)
-    alpha: float = setting(0.1, gt=0)  # Beta(alpha, alpha) of the mixing weight (paper)
-    eps: float = setting(1e-6, gt=0)
+    p: float = setting(0.5, ge=0, le=1, source="paper; code agrees (mixstyle-release p=0.5)")  # probability a MixStyle layer mixes a batch
+    alpha: float = setting(0.1, gt=0, source="paper; code agrees (mixstyle-release alpha=0.1)")  # Beta(alpha, alpha) of the mixing weight
+    eps: float = setting(1e-6, gt=0, source="official code (mixstyle-release eps=1e-6)")
 
     @classmethod
     def search_space(cls):

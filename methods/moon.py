@@ -3,8 +3,8 @@
 Client i, round t, from the global model w^t (its state: its model from the end of its previous
 participation, w_i^{t-1}):
     for every batch (x, y):
-        z      = R_w(x)          the representation: the input of the classifier (or the
-                                 projection head's output, head: mlp)
+        z      = R_w(x)          the representation: the projection head's output (head: mlp),
+                                 or the input of the classifier (head: none)
         z_glob = R_{w^t}(x)      frozen received global model, no gradient
         z_prev = R_{w_i^{t-1}}(x)  frozen previous local model, no gradient
         l_con  = -log( exp(cos(z, z_glob)/tau) / (exp(cos(z, z_glob)/tau) + exp(cos(z, z_prev)/tau)) )   (Eq. 2)
@@ -13,6 +13,15 @@ participation, w_i^{t-1}):
 A client's first participation has no previous model: l_con = 0 (FLGo; the official code's
 copy of the initial model gives l_con ~ log 2 and no gradient). The frozen models run with
 batch statistics (train mode), as the implementations do, and their statistics are discarded.
+
+Where the defaults come from (``raysim methods moon`` lists each one's source): the paper and its
+official code (QinbinLi/MOON) agree, so their values are the defaults.
+  * ``head: mlp``: the paper's projection head, Linear(d, d) - ReLU - Linear(d, ``proj_dim`` = 256)
+    with the classifier on its output (code: use_project_head = 1, out_dim = 256). ``head: none``
+    contrasts the classifier's input instead, as the seeds' code bases do (FLGo's MOON for FDSE,
+    RethinkFL's for DapperFL); the seed configs set it.
+  * mu = 1: the code's default (the paper tunes mu per dataset in {0.1, 1, 5, 10}); tau = 0.5:
+    paper and code.
 """
 from __future__ import annotations
 
@@ -30,10 +39,10 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class MOONHparams(Hparams):
-    mu: float = setting(1.0, ge=0)  # DapperFL Table 4's value, inside FDSE's grid {0.1, 1, 5, 10}
-    tau: float = setting(0.5, gt=0, expected="> 0")  # the paper's temperature (fixed in FDSE and DapperFL)
-    head: str = setting("none", one_of=("none", "mlp"))  # none: FLGo / the seeds; mlp: the paper's projection head
-    proj_dim: int = setting(256, ge=1)  # the mlp head's output (paper: 256)
+    mu: float = setting(1.0, ge=0, source="official code default (QinbinLi/MOON --mu 1)")  # weight of l_con; DapperFL Table 4 too, inside FDSE's grid {0.1, 1, 5, 10}
+    tau: float = setting(0.5, gt=0, expected="> 0", source="paper; code agrees (--temperature 0.5)")  # temperature (fixed in FDSE and DapperFL)
+    head: str = setting("mlp", one_of=("none", "mlp"), source="paper (encoder, projection head, output layer); code agrees (use_project_head 1)")  # mlp: the paper's projection head; none: FLGo / RethinkFL (the seeds' configs)
+    proj_dim: int = setting(256, ge=1, source="paper; code agrees (--out_dim 256)")  # the mlp head's output
 
     @classmethod
     def search_space(cls):

@@ -37,6 +37,11 @@ Choices the paper leaves open or this file fixes (baselines spec section 6.2 [R]
   * Only the widest sub-model is evaluated (other sub-models are not logged).
   * The engine broadcasts the dense consistent model and every sub-model's inconsistent set
     (bytes_down counts them); bytes_up and the footprint (client_footprint) are the sub-model's.
+
+Where the defaults come from (``raysim methods nefl``): NeFL's code was not available, so the
+defaults are its configuration in DapperFL's code, the only seed that compares it (best_args: ps =
+[0.04, 0.16, 0.36, 0.64, 1], i.e. widths 1 - rho for rho in {0.8, ..., 0}; ``learnable_step=1``);
+learnable step sizes are also the paper's design (spec 6.2).
 """
 from __future__ import annotations
 
@@ -61,8 +66,8 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers: widths 1, 0.8, 0.6
 
 @dataclass(frozen=True)
 class NeFLHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1)  # sub-model i has width 1 - rho_levels[i]
-    learnable_step: bool = True  # x + s_l F_l(x) with s_l learned per sub-model (DapperFL's learnable_step=1)
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL's code best_args (ps = (1 - rho)^2)")  # sub-model i has width 1 - rho_levels[i]
+    learnable_step: bool = setting(True, source="paper (learnable step sizes); DapperFL's code learnable_step=1")  # x + s_l F_l(x) with s_l learned per sub-model
 
     def __post_init__(self):
         if not self.rho_levels:

@@ -14,6 +14,11 @@ layers and keeping BN and the classifier works best; ``keep`` = ["bn", "head"] b
 3.3's recommendation; "bn": every norm layer, affine and statistics; "head": the classifier; any
 other entry: a module-name prefix). PartialFed-Adaptive learns A_c per client; its update rule is
 not stated in a form we could implement, so it is not provided.
+
+Where the default comes from (``raysim methods partialfed``): no code was released and the paper's
+per-experiment strategies were not read, so ``keep`` is spec 3.3's recommendation built from the
+paper's reported findings (partial loading beats full loading; keeping BN and the classifier
+helps). FDSE, which ran PartialFed in its Table 1, does not say which strategy it used.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from raysim.training import train_epochs
 
 @dataclass(frozen=True)
 class PartialFedHparams(Hparams):
-    keep: tuple[str, ...] = setting(("bn", "head"))  # the layers a client keeps from its own last model
+    keep: tuple[str, ...] = setting(("bn", "head"), source="spec 3.3 [R], from the paper's findings (no code released)")  # the layers a client keeps from its own last model
 
 
 def kept_keys(model, keep: tuple[str, ...]) -> set[str]:

@@ -13,9 +13,16 @@ The network splits into a feature extractor and the rest, z = the last conv feat
 Server: plain FedAvg. Scored: the global model (no muting at test time).
 
 Choices:
-* p = 1/3 (feature dropping percentage) and b = 1/3 (batch percentage): the paper's values. Which
-  side of the batch percentage is muted is [U]: here the b share with the largest confidence drop
-  (DomainBed's port mutes the complement, the samples above its b-quantile).
+* p = 1/3 (feature dropping percentage) and b = 1/3 (batch percentage): the paper's values, and
+  DomainBed's port's defaults. The muted side of the batch percentage: the b share with the largest
+  confidence drop, as the authors' release does (DeLightCMU/RSC keeps the mask on the b share of
+  samples with the largest drop) and DomainBed's port (unmasked: the samples below the (1 - b)
+  percentile of the drop).
+* Forms of the authors' release with no switch here (which of them produced the paper's numbers is
+  unclear; the defaults follow the paper's Algorithm 1): its spatial score is Grad-CAM-like,
+  sum_c z * mean_hw g, not mean_c g; its channel variant drops ceil(C / 3.2) channels, not C / 3; and
+  its batch percentage grows with the epoch (0.3, then +0.2 every 10 epochs), which has no
+  counterpart in federated rounds.
 * Spatial vs channel: one fair coin per batch from the client's keyed generator (the paper picks
   one of the two at random each iteration).
 * Ties at the quantile are muted (>=); the quantile is torch.quantile's linear interpolation.
@@ -38,8 +45,8 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class RSCHparams(Hparams):
-    drop_f: float = setting(1 / 3, gt=0, lt=1)  # feature dropping percentage p (paper)
-    drop_b: float = setting(1 / 3, gt=0, le=1)  # batch percentage b (paper)
+    drop_f: float = setting(1 / 3, gt=0, lt=1, source="paper; code: 1/3 of the locations (1/3.2 of the channels)")  # feature dropping percentage p
+    drop_b: float = setting(1 / 3, gt=0, le=1, source="paper; DomainBed's port agrees (the code schedules it from 0.3)")  # batch percentage b
 
     @classmethod
     def search_space(cls):
