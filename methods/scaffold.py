@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from raysim.contract import ClientContext, Method, Upload
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
+from raysim.tensors import cpu_copy
 
 DELTA_C = "delta_c/"  # prefix of the control-variate update among the uploaded tensors
 
@@ -61,11 +62,6 @@ def param_names(model) -> list[str]:
 def control_update(c_i: dict, c: dict, x: dict, y: dict, steps: int, lr: float) -> dict:
     """Option II: c_i+ = c_i - c + (x - y) / (K eta_l)."""
     return {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c_i}
-
-
-def on_cpu(variates: dict) -> dict:
-    """A copy on the CPU: where SCAFFOLD keeps its control variates between rounds."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in variates.items()}
 
 
 def correction(model, drift: dict) -> torch.Tensor:
@@ -106,7 +102,7 @@ class Scaffold(Method):
         if self.hp.option == "II":
             c_new = control_update(c_i, c, x, y, max(stats["steps"], 1), ctx.lr)
         delta_c = {DELTA_C + k: c_new[k] - c_i[k] for k in c_i}
-        ctx.state["c"] = on_cpu(c_new)
+        ctx.state["c"] = cpu_copy(c_new)
         return Upload(tensors={**y, **delta_c}, weight=1.0, metrics=stats)  # uniform mean over S
 
     def aggregate(self, state, uploads, round):

@@ -141,29 +141,26 @@ class NoBatches:
         return iter(())
 
 
-def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_model_device(monkeypatch):
+def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_model_device():
     """The server's c and each c_i live on the CPU whatever device trains; a round's drift c - c_i,
-    option II's c_i+ and Delta c_i are computed on ctx.device. A ``meta`` model stands for an
-    accelerator: CPU and meta tensors do not mix ("Tensor on device meta is not on the expected
-    device cpu!"), as CPU and CUDA tensors do not."""
-    import raysim.methods.scaffold as scaffold
-    t = torch.ones(2)  # the copy to the CPU: tensors that share nothing with the model's
-    kept = scaffold.on_cpu({"w": t})["w"]
-    assert kept.device.type == "cpu" and torch.equal(kept, t) and kept.data_ptr() != t.data_ptr()
+    option II's c_i+ and Delta c_i are computed on ctx.device. The simulated accelerator of
+    accelerator.py stands for a GPU: CPU variates mixed into its arithmetic fail, as on a GPU."""
+    import warnings
+    from accelerator import devices, on_accelerator, simulated_accelerator
     m = Scaffold(Scaffold.Hparams(), setup(2))
-    model = small().to("meta")
-    server = m.init_server(model)
-    payload, state = m.broadcast(server, 1), m.init_client_state(0, model)
-    for variates in (server["c"], payload["c"], state["c"]):
-        assert variates and {v.device.type for v in variates.values()} == {"cpu"}
-    # the copy to the CPU cannot read a meta tensor's values: zeros of its shape stand in for it
-    monkeypatch.setattr(scaffold, "on_cpu", lambda v: {k: torch.zeros(t.shape) for k, t in v.items()})
-    ctx = ClientContext(client_id=0, domain="a", round=1, model=model, payload=payload, state=state,
-                        data=NoBatches(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
-                        generator=torch.Generator().manual_seed(7), device=torch.device("meta"))
-    up = m.local_update(ctx)
-    assert {up.tensors[DELTA_C + k].device.type for k in state["c"]} == {"meta"}  # (the engine moves the upload)
-    assert set(ctx.state["c"]) == set(state["c"]) and {v.device.type for v in ctx.state["c"].values()} == {"cpu"}
+    with warnings.catch_warnings(), simulated_accelerator() as device:
+        warnings.simplefilter("ignore")
+        model = on_accelerator(small())
+        server = m.init_server(model)
+        payload, state = m.broadcast(server, 1), m.init_client_state(0, model)
+        for variates in (server["c"], payload["c"], state["c"]):
+            assert variates and set(devices(variates).values()) == {"cpu"}
+        ctx = ClientContext(client_id=0, domain="a", round=1, model=model, payload=payload, state=state,
+                            data=NoBatches(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
+                            generator=torch.Generator().manual_seed(7), device=device)
+        up = m.local_update(ctx)
+        assert set(devices({k: up.tensors[DELTA_C + k] for k in state["c"]}).values()) == {"accelerator"}
+        assert set(ctx.state["c"]) == set(state["c"]) and set(devices(ctx.state["c"]).values()) == {"cpu"}
 
 
 # ----------------------------------------------------------------------------- FedDyn
