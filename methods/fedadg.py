@@ -14,8 +14,7 @@ Client k, round t, from the global F, C, G and its own D:
     CE_ls: the CE against 1 - eps on the true class and eps / (classes - 1) on each other class
     (least-squares GAN: D calls the reference "real" and the features "fake"; F learns to make its
     features look like the reference, G to make the reference look like the features)
-    upload F, C and G as they were after the adversarial epoch with the best local validation
-    accuracy; D stays on the client.
+    upload F, C and G as they are after the last adversarial epoch; D stays on the client.
 Server: FedAvg of F, C and G. The scored model is the global F + C.
 
 Where the defaults come from: the code read is an unofficial mirror of the release
@@ -30,7 +29,12 @@ are the defaults (``raysim methods fedadg`` lists each one's source):
   LabelSmoothingLoss; ``uniform`` is PyTorch's label_smoothing, eps / classes on every class);
 * step (a) scores F(x) with F in eval mode (dropout off, BN on its running statistics; no update
   of them), step (b) with a fresh train-mode pass (``disc_features: eval``; ``train`` reuses
-  step (b)'s train-mode features, detached, for D: one pass of F instead of two).
+  step (b)'s train-mode features, detached, for D: one pass of F instead of two);
+* the upload is the last adversarial epoch's F, C and G (``upload: last``). The mirror means to
+  upload the epoch with the best local validation accuracy, but it keeps that epoch as
+  ``state_dict()`` references to the live modules, which the later epochs overwrite in place: what
+  it sends, and what its hyperparameters were tuned with, is the last epoch. ``upload: best_val``
+  is the intended best-epoch upload (it needs a validation split).
 
 Choices of ours (the paper leaves them open or the mirror's architecture does not carry over):
 * F is the zoo backbone's ``features`` and C its ``head`` (the mirror's C is Linear-Linear on
@@ -44,9 +48,8 @@ Choices of ours (the paper leaves them open or the mirror's architecture does no
   are rebuilt every round (the code); D's weights persist on the client;
 * the adversarial epochs are train.epochs (E); the CE warm-up epochs ``ce_epochs`` run first in
   every round; train.max_steps caps the adversarial phase;
-* best-epoch upload needs a validation split; without one (or ``upload: last``) the last epoch's
-  model is uploaded. The scheduler (warm-up + ReduceLROnPlateau) is replaced by the protocol's
-  lr schedule.
+* ``upload: best_val`` without a validation split uploads the last epoch. The scheduler (warm-up +
+  ReduceLROnPlateau) is replaced by the protocol's lr schedule.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ class FedADGHparams(Hparams):
     ce_epochs: int = setting(3, ge=0, source="code README, PACS (--i-epochs 3)")  # i_epochs of label-smoothed CE before the adversarial epochs
     gd_lr_ratio: float = setting(0.7, gt=0, source="code README, PACS (lr1 / lr0 = 0.007 / 0.01)")  # G's and D's lr / F's and C's
     rp_size: int = setting(1024, ge=1, source="code (mirror, README and train.py)")  # the random projection's width
-    upload: str = setting("best_val", one_of=("best_val", "last"), source="code (mirror, localTrain.py)")  # the epoch whose F, C, G are uploaded
+    upload: str = setting("last", one_of=("best_val", "last"), source="code (mirror, localTrain.py: its best-epoch copy aliases the live weights)")  # the epoch whose F, C, G are uploaded
 
     @classmethod
     def search_space(cls):

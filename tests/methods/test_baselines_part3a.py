@@ -468,20 +468,20 @@ def test_fedadg_client_keeps_d_uploads_f_c_g_and_draws_only_from_its_generator()
     assert set(ctx.state["personal"]) == m.personal_keys(model)
     assert not torch.equal(ctx.state["personal"]["disc.net.0.weight"], state_weight(m))
     assert ctx.steps == 3 * 2  # 1 CE epoch + 2 adversarial epochs of 2 batches
-    assert {"d_loss", "g_loss", "best_val_acc"} <= set(up.metrics)
+    assert {"d_loss", "g_loss"} <= set(up.metrics) and "best_val_acc" not in up.metrics  # upload: last
 
 
 def state_weight(m):
     return m.build_model().state_dict()["disc.net.0.weight"]
 
 
-def test_fedadg_uploads_the_best_validation_epoch(monkeypatch):
-    """Two adversarial epochs scored (0.9, 0.5) on the validation split: the upload is the first
+def test_fedadg_uploads_the_last_epoch_by_default_and_the_best_validation_epoch_on_request(monkeypatch):
+    """The default is the code's effective upload, the last epoch. Two adversarial epochs scored (0.9, 0.5) on the validation split: the upload is the first
     epoch's F, C and G (replayed by a one-epoch run with upload: last and the same generator);
     scored (0.5, 0.9): the second's, which is the last."""
     import raysim.methods.fedadg as fedadg
     hp = {"ce_epochs": 0, "rp_size": 8}
-    m_best = FedADG(FedADG.Hparams.from_dict(hp), setup())
+    m_best = FedADG(FedADG.Hparams.from_dict({**hp, "upload": "best_val"}), setup())
     m_last = FedADG(FedADG.Hparams.from_dict({**hp, "upload": "last"}), setup())
     model = m_best.build_model()
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -503,3 +503,10 @@ def test_fedadg_uploads_the_best_validation_epoch(monkeypatch):
         assert all(torch.equal(up.tensors[k], snapshots[best][k]) for k in up.tensors)
         # D is not rolled back: it stays as the last epoch left it
         assert torch.equal(ctx.state["personal"]["disc.net.0.weight"], disc_last)
+    # the default uploads the last epoch whatever the validation scores (no evaluation at all)
+    assert FedADG.Hparams().upload == "last"
+    m_default = FedADG(FedADG.Hparams.from_dict(hp), setup())
+    monkeypatch.setattr(fedadg, "evaluate", lambda *a, **k: pytest.fail("the default upload scores no epoch"))
+    model.load_state_dict(init)
+    up = m_default.local_update(context(model, {"global": init}, {"personal": {}}, epochs=2))
+    assert all(torch.equal(up.tensors[k], snapshots[1][k]) for k in up.tensors)
