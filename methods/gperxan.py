@@ -32,7 +32,8 @@ Table 4's normalization ablation is ``hp.gperxan.norm``: "bn" (= gFedAvg w/ BN),
 (gFedAvg w/ I-BN, IBN-Net-a), "xan" (XAN fully federated), "perxan" (gPerXAN).
 
 Defaults: the official code (lhkhiem28/gPerXAN @ 9eebbc1, PACS) where the paper is silent or
-differs, since its hyperparameters (lr 2e-3, lambda's grid) were tuned in that code: lambda 0.5
+differs, as the form the paper's lr 2e-3 and lambda were tuned with (the only record of the runs,
+though it cannot run as released and loads an unreleased checkpoint, spec 10): lambda 0.5
 (hard-coded there), the per-round cosine lr and SGD momentum kept across rounds (the paper gives
 no optimizer details), and the XAN mixture as a softmax of two scalar scores both initialised to
 1. Switches to the paper's literal forms: ``mix`` ("softmax": code | "linear": Eq. 2's raw
