@@ -3,7 +3,7 @@ CSAC): one model trained with plain SGD on the pooled training data of every sou
 
 The engine gives the federation one client holding all the clients' data (``pools_clients``), so
 a "round" is E epochs over the pooled data and the global model is that one model. No federation,
-no privacy: an upper reference, not a method to deploy.
+no privacy: an upper reference, not a method to deploy. No hyperparameters of its own.
 """
 from __future__ import annotations
 

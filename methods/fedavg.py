@@ -4,7 +4,8 @@ Decentralized Data", AISTATS 2017.
     server: w^{t} = sum_k (n_k / n) w_k^{t}
     client: w_k^{t} = E epochs of SGD on D_k starting from w^{t-1}
 
-Everything in the model (parameters and BN buffers) is shared and averaged.
+Everything in the model (parameters and BN buffers) is shared and averaged. No hyperparameters
+of its own: lr, epochs and batch size are the experiment's (``train``).
 """
 from __future__ import annotations
 

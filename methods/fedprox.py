@@ -2,6 +2,13 @@
 
     client: min_w  F_k(w) + (mu / 2) * ||w - w^{t-1}||^2     (proximal term, Eq. 2)
     server: FedAvg's weighted mean.
+
+mu: the FedProx paper tunes it per dataset, so it has no single value; the default is 0.01, what
+FedBN's code (on which FedWon ran its Table 1 baselines) uses on Digits. FedWon's Office and
+DomainNet configs set 1e-3 (FedBN's code); DapperFL's Table 4 says 0.1; FDSE tunes it in
+{1e-4, ..., 1} and does not report its choice. The proximal term is the paper's squared norm,
+on every step (FedBN's code skips a round's first step and, on Office/DomainNet, drops the square:
+spec fedwon 9.17; not offered).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class FedProxHparams(Hparams):
-    mu: float = setting(0.01, ge=0)
+    mu: float = setting(0.01, ge=0, source="FedBN code's Digits value (FedWon Table 1); the FedProx paper tunes mu per dataset")  # FedWon Office/DomainNet (FedBN code): 1e-3; DapperFL Table 4: 0.1; FDSE: tuned in {1e-4 .. 1}, unreported
 
     @classmethod
     def search_space(cls):

@@ -12,6 +12,11 @@ State-dict keys of one XAN layer at slot ``S`` (e.g. ``features.layer1.0.bn1``):
     BN side  S.bn.weight, S.bn.bias, S.bn.running_mean, S.bn.running_var,
              S.bn.num_batches_tracked, S.score_bn
     IN side  S.inst.weight, S.inst.bias, S.score_in
+
+Defaults here are the official code's (``eXplicitOptimizedNorm2d``): softmax-mixed scores both
+initialised to 1, eps and momentum of the BN replaced (PyTorch's 1e-5 / 0.1); IBN-Net-a's
+half split (Pan et al.); the DenseNet placement is the paper's Sec. 4.2 (Camelyon17). The
+method's ``hp.gperxan`` settings choose among them.
 """
 from __future__ import annotations
 

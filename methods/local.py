@@ -3,7 +3,8 @@ data and is evaluated with its own model. The lower baseline of every paper here
 
 Under the global and lodo protocols, where a single model is asked for, it is the uniform mean of
 the clients' local models (one-shot model averaging after local training): the only model a
-server could build without the clients ever training together.
+server could build without the clients ever training together. No hyperparameters of its own:
+its budget is the experiment's rounds x epochs (FedWon spec 9.16: R x E epochs).
 """
 from __future__ import annotations
 

@@ -7,6 +7,11 @@ its statistics are:
 * FedAvg+LN  every BN becomes GroupNorm(1, C) (LayerNorm over C, H, W with per-channel affine).
 * SiloBN     Andreux et al. 2020: BN statistics stay on the client, BN affine is shared.
 * FixBN      Zhong et al. 2023: FedAvg with BN, then BN statistics frozen at the global ones.
+
+Only FixBN has hyperparameters: its switch round T* = R/2 (FedWon, which ran these baselines in
+Table 1, gives none; no FixBN code is public, so the default follows the FixBN paper's two
+halves as the FedWon spec reads it, unverified). GN's group counts are the model's (FedWon
+Tables 5-6), not method settings.
 """
 from __future__ import annotations
 
@@ -129,8 +134,8 @@ class SiloBN(Method):
 
 @dataclass(frozen=True)
 class FixBNHparams(Hparams):
-    switch_frac: float = setting(0.5, ge=0, le=1)  # stage 1 = the first round(switch_frac * rounds) rounds
-    switch_round: int = setting(0, ge=0)  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
+    switch_frac: float = setting(0.5, ge=0, le=1, source="FedWon spec 9.18: T* = R/2 after the FixBN paper (not checked against its text)")  # stage 1 = the first round(switch_frac * rounds) rounds
+    switch_round: int = setting(0, ge=0, source="ours: 0 = use switch_frac")  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
 
     @classmethod
     def search_space(cls):

@@ -31,14 +31,21 @@ Engine mapping: ``rounds = T + 1``. Round 1 is the acquisition round (its aggreg
 first fusion of the stage-1 models); rounds 2..T+1 are calibrate -> fuse, and every fused model
 is evaluated. The paper's schedule (30 acquisition epochs, T = 40 rounds of 10 calibration
 epochs; 5 on Rotated MNIST) is ``rounds: 41``, ``hp.csac.stage1_epochs: 30``, ``train.epochs: 10``.
-An "epoch" is one pass over the client's data (the paper's word) unless ``iters_per_epoch`` /
-``stage1_iters_per_epoch`` fix it to a number of iterations (the official code: 20 / 60).
+An "epoch" is the official code's fixed number of iterations, ``stage1_iters_per_epoch`` = 60 and
+``iters_per_epoch`` = 20 (batch 64 there); 0 makes it one pass over the client's data.
 
-``variant = "official_code"`` reproduces the released code's default run (spec section 9.1):
-its alignment loss is always zero (``--mode alpha`` feeds the double sum an empty list), an
-undocumented logit-level MK-MMD between L^h and M^h is added with weight lam, and stage 1 uses
-plain CE. The ablations of Tables 4-5 are the ``fusion``, ``fusion_distance``, ``alignment``,
-``attention``, ``discrepancy``, ``retrain_loss`` and ``label_smoothing`` switches.
+Defaults. The released code (junkunyuan/CSAC) cannot have produced the paper's tables: its
+default run has no cross-layer alignment at all, so the rows of Table 5 that change the
+alignment would equal the full method, and it never applies the label smoothing that Table 5
+ablates. So the paper's forms are the defaults where the paper states them (Eqs. 2-11, lambda,
+the schedule), and the code's where the paper is silent and nothing suggests the unreleased
+version differed: an epoch of 60 / 20 iterations, c = 32 projected channels, and a bottleneck
+and classifier drawn at random by every client (``independent_head_init``; spec 9.8 would share
+one initial model). ``variant = "official_code"`` reproduces the released code's default run
+(spec section 9.1): its alignment loss is always zero (``--mode alpha`` feeds the double sum an
+empty list), an undocumented logit-level MK-MMD between L^h and M^h is added with weight lam,
+and stage 1 uses plain CE. The ablations of Tables 4-5 are the ``fusion``, ``fusion_distance``,
+``alignment``, ``attention``, ``discrepancy``, ``retrain_loss`` and ``label_smoothing`` switches.
 """
 from __future__ import annotations
 
@@ -62,27 +69,27 @@ from raysim.settings import setting
 
 @dataclass(frozen=True)
 class CSACHparams(Hparams):
-    lam: float = setting(0.6, ge=0)  # lambda of Eq. 11 (all experiments)
-    label_smoothing: float = setting(0.1, ge=0, lt=1)  # alpha of Eq. 2 (stage 1 only)
-    stage1_epochs: int = setting(30, ge=0)  # local semantic acquisition epochs (Sec. 4.1)
-    stage1_iters_per_epoch: int = setting(0, ge=0)  # 0: an epoch is a pass over D^h; the code: 60 iterations
-    iters_per_epoch: int = setting(0, ge=0)  # calibration (train.epochs per round); 0: a pass; the code: 20
+    lam: float = setting(0.6, ge=0, source="paper Sec. 4.1; code agrees")  # lambda of Eq. 11 (all experiments)
+    label_smoothing: float = setting(0.1, ge=0, lt=1, source="paper Eq. 2 and Table 5's ablation; the code's flag is unused (spec 9.2)")  # alpha of Eq. 2 (stage 1 only)
+    stage1_epochs: int = setting(30, ge=0, source="paper Sec. 4.1; code agrees")  # local semantic acquisition epochs (Sec. 4.1)
+    stage1_iters_per_epoch: int = setting(60, ge=0, source="official code (junkunyuan/CSAC --length 60); the paper does not define its epoch")  # 60 iterations an epoch (code); 0: an epoch is a pass over D^h
+    iters_per_epoch: int = setting(20, ge=0, source="official code (junkunyuan/CSAC client.length 20); the paper does not define its epoch")  # calibration (train.epochs per round): 20 iterations an epoch (code); 0: a pass
     # ---- aggregation (Table 4) ----
-    fusion: str = setting("divergence", one_of=("divergence", "similarity", "average"))  # Eq. 4 | closer -> larger | 1/H
-    fusion_distance: str = setting("l2", one_of=("l2", "l1", "cosine"))  # l2 (paper)
+    fusion: str = setting("divergence", one_of=("divergence", "similarity", "average"), source="paper Eq. 4; code agrees")  # Eq. 4 | closer -> larger | 1/H
+    fusion_distance: str = setting("l2", one_of=("l2", "l1", "cosine"), source="paper Eq. 4; code agrees")  # l2 (paper)
     # ---- calibration (Table 5) ----
     # cross (Eq. 6, all pairs, attention) | same_layer | uniform | none
-    alignment: str = setting("cross", one_of=("cross", "same_layer", "uniform", "none"))
-    attention: str = setting("both", one_of=("both", "position", "channel"))  # Eq. 9 | Eq. 7 only | Eq. 8 only
-    discrepancy: str = setting("mmd", one_of=("mmd", "mse"))  # MK-MMD | MSE
-    retrain_loss: bool = True  # L_AR of Eq. 10 ("without cross-entropy" ablation: False)
-    layers: tuple[str, ...] = ()  # the layer set R (module names); () = the architecture's default
-    proj_channels: int = setting(32, ge=1)  # c of the projected features (code)
-    proj_size: int = setting(0, ge=0)  # g = w of the projected features; 0 = the last layer of R (paper)
-    alpha_temperature: float = setting(1.0, gt=0, expected="> 0")  # softmax temperature of Eqs. 7-8 (the paper has none: 1)
-    logit_mmd_weight: float = setting(0.0, ge=0)  # the code's extra MK-MMD(logits_L, logits_M) weight
-    independent_head_init: bool = False  # code: every client draws its own random head
-    variant: str = setting("paper", one_of=("paper", "official_code"))  # official_code: no L_AL, logit MMD weight lam, plain CE
+    alignment: str = setting("cross", one_of=("cross", "same_layer", "uniform", "none"), source="paper Eq. 6 (the code's default run has none: spec 9.1)")
+    attention: str = setting("both", one_of=("both", "position", "channel"), source="paper Eq. 9")  # Eq. 9 | Eq. 7 only | Eq. 8 only
+    discrepancy: str = setting("mmd", one_of=("mmd", "mse"), source="paper Eq. 6 (MMD); code's multi-kernel form")  # MK-MMD | MSE
+    retrain_loss: bool = setting(True, source="paper Eq. 10")  # L_AR of Eq. 10 ("without cross-entropy" ablation: False)
+    layers: tuple[str, ...] = setting((), source="paper Sec. 4.1 (last three blocks / convs); code agrees")  # the layer set R (module names); () = the architecture's default
+    proj_channels: int = setting(32, ge=1, source="official code; the paper's 'size of the last adopted layer' (Eq. 5) may mean its channels too")  # c of the projected features (code)
+    proj_size: int = setting(0, ge=0, source="paper Eq. 5 text (the last adopted layer's size); the code agrees on ResNet-18, uses 4 on AlexNet")  # g = w of the projected features; 0 = the last layer of R (paper)
+    alpha_temperature: float = setting(1.0, gt=0, expected="> 0", source="paper Eqs. 7-8 (no temperature); code agrees")  # softmax temperature of Eqs. 7-8 (the paper has none: 1)
+    logit_mmd_weight: float = setting(0.0, ge=0, source="paper (no such term); variant official_code uses lam")  # the code's extra MK-MMD(logits_L, logits_M) weight
+    independent_head_init: bool = setting(True, source="official code (one net built per client); the paper is silent (spec 9.8)")  # code: every client draws its own random head
+    variant: str = setting("paper", one_of=("paper", "official_code"), source="paper (the code's default run cannot give Tables 4-5: spec 9.1)")  # official_code: no L_AL, logit MMD weight lam, plain CE
 
     @classmethod
     def search_space(cls):

@@ -27,6 +27,19 @@ theta_v = the uniform mean of the clients' Eq. 9 mixes, BN_DSE statistics = the 
 the clients'; then, label-free on its unlabeled data, E' epochs of SGD (step size eta = the last
 training round's lr, batch 50) on theta_v alone to minimise sum_l w_l L_Con^(l) against the frozen
 BN_DFE statistics (BN_DFE in eval mode, BN_DSE in train mode, re-estimating its statistics).
+
+Defaults: the paper's forms. The official code (WwZzz/FDSE_CVPR25) was published after the
+paper in two versions that disagree with each other, and neither is the one behind the paper's
+numbers: Table 4's FLOPs fit only Table A6's paddings, which neither commit has (spec 4, 10.5),
+and the latest commit's configs (lambda 0.05 / 0.5, Office beta 0.05) came with its new loss and
+break the paper's "beta fixed at 0.001". Where the paper and the first commit agree (ReLU after
+BN_DSE, Eq. 6's form), the paper's form is the default; the latest code stays a switch:
+``dse_act`` ("relu" | "none": latest code) and ``con_mode`` ("paper": Eq. 6 per channel |
+"code_v2": the latest code's KL-like loss on channel-pooled scalars). What the paper does not
+say comes from the code (``tau`` 0.5, ``skip_first_round``) or is ours (``lam`` in the middle
+of its grid; the Alg. 3 adaptation's epochs, step size and batch). Ablations: ``shared_agg``
+("consensus": Eq. 8 | "mean": w/o A) and ``dse_agg`` ("attention": Eq. 9 | "local": w/o B |
+"mean").
 """
 from __future__ import annotations
 
@@ -52,23 +65,23 @@ ODD_KERNELS = (1, 3, 5, 7)
 
 @dataclass(frozen=True)
 class FDSEHparams(Hparams):
-    lam: float = setting(0.1, ge=0)  # lambda, weight of L_Con (paper grid {0.01, 0.1, 1}; chosen value unreported)
-    tau: float = setting(0.5, gt=0, expected="> 0")  # Eq. 9 temperature (paper grid {0.001, 0.01, 0.1, 0.5}; official configs 0.5)
-    beta: float = 0.001  # Eq. 7 depth exponent, fixed by the paper
-    gamma: float = setting(0.9, ge=0, lt=1)  # Eq. 5 EMA momentum (weight on the old value) = 1 - BN momentum 0.1
-    G: int = setting(2, ge=2)  # DSE expansion ratio (Table A6: 2 everywhere)
-    dw: int = setting(3, one_of=ODD_KERNELS)  # cheap depthwise kernel of conv blocks (Table A6: 3)
-    dw_fc: int = setting(1, one_of=ODD_KERNELS)  # cheap op kernel of FC blocks (Table A6: 1, a per-channel scale)
+    lam: float = setting(0.1, ge=0, source="ours: middle of the paper's grid {0.01, 0.1, 1} (A7.4); its choice is unreported")  # lambda, weight of L_Con (paper grid {0.01, 0.1, 1}; chosen value unreported)
+    tau: float = setting(0.5, gt=0, expected="> 0", source="official code (WwZzz/FDSE_CVPR25) default and configs; in the paper's grid")  # Eq. 9 temperature (paper grid {0.001, 0.01, 0.1, 0.5}; official configs 0.5)
+    beta: float = setting(0.001, source="paper Sec. 4.2 (fixed); official PACS config agrees")  # Eq. 7 depth exponent, fixed by the paper
+    gamma: float = setting(0.9, ge=0, lt=1, source="paper Eq. 5 (BN_DFE's momentum 0.1); code agrees")  # Eq. 5 EMA momentum (weight on the old value) = 1 - BN momentum 0.1
+    G: int = setting(2, ge=2, source="paper Table A6; code agrees")  # DSE expansion ratio (Table A6: 2 everywhere)
+    dw: int = setting(3, one_of=ODD_KERNELS, source="paper Table A6; code agrees")  # cheap depthwise kernel of conv blocks (Table A6: 3)
+    dw_fc: int = setting(1, one_of=ODD_KERNELS, source="paper Table A6; code agrees")  # cheap op kernel of FC blocks (Table A6: 1, a per-channel scale)
     # ---- switches (defaults = the paper; alternatives = official code or ablations) ----
-    dse_act: str = setting("relu", one_of=ACTIVATIONS)  # after BN_DSE: "relu" (Eq. 3, Table A7) | "none" (latest code)
-    con_mode: str = setting("paper", one_of=("paper", "code_v2"))  # Eq. 6 per channel | the latest code's KL-like loss
-    skip_first_round: bool = True  # no L_Con in round 1 (global BN stats still at 0 / 1)
-    shared_agg: str = setting("consensus", one_of=("consensus", "mean"))  # Eq. 8 | ablation "w/o A": FedAvg mean
-    dse_agg: str = setting("attention", one_of=("attention", "local", "mean"))  # Eq. 9 | "w/o B" | uniform mean
+    dse_act: str = setting("relu", one_of=ACTIVATIONS, source="paper Eq. 3, Table A7; first code commit dd266a2 agrees")  # after BN_DSE: "relu" (Eq. 3, Table A7) | "none" (latest code)
+    con_mode: str = setting("paper", one_of=("paper", "code_v2"), source="paper Eq. 6; first code commit dd266a2 has its form")  # Eq. 6 per channel | the latest code's KL-like loss
+    skip_first_round: bool = setting(True, source="official code (the paper is silent)")  # no L_Con in round 1 (global BN stats still at 0 / 1)
+    shared_agg: str = setting("consensus", one_of=("consensus", "mean"), source="paper Eq. 8; code agrees")  # Eq. 8 | ablation "w/o A": FedAvg mean
+    dse_agg: str = setting("attention", one_of=("attention", "local", "mean"), source="paper Eq. 9; code agrees")  # Eq. 9 | "w/o B" | uniform mean
     # ---- unseen-client adaptation (Alg. 3; the paper gives no E or eta: spec 9.26) ----
-    adapt_epochs: int = setting(5, ge=0)  # 0: no adaptation (Table 2's "- align" row)
-    adapt_lr: float = setting(0.0, ge=0)  # eta; 0: the learning rate of the last training round
-    adapt_batch: int = setting(50, ge=2)
+    adapt_epochs: int = setting(5, ge=0, source="ours: Alg. 3 says 'several epochs' (spec 9.26)")  # 0: no adaptation (Table 2's "- align" row)
+    adapt_lr: float = setting(0.0, ge=0, source="ours: the paper gives no eta (spec 9.26)")  # eta; 0: the learning rate of the last training round
+    adapt_batch: int = setting(50, ge=2, source="ours: the paper's training batch (A7.4); Alg. 3 gives none")
 
     @classmethod
     def search_space(cls):

@@ -20,8 +20,12 @@ from raysim.models.base import Net
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# tiny data: an epoch is one pass (the default, the official code's 60 / 20 iterations, is slower)
+PASS = {"stage1_iters_per_epoch": 0, "iters_per_epoch": 0}
+
+
 def method(**hp):
-    return CSAC(CSAC.Hparams(**hp), setup=None)
+    return CSAC(CSAC.Hparams(**{**PASS, **hp}), setup=None)
 
 
 # ============================================================================ Eqs. 3-4: fusion
@@ -279,6 +283,24 @@ def federation(m, rounds, n_clients=3, epochs=1):
     return srv, states, history, data
 
 
+def test_independent_heads_are_each_clients_own_draw_and_the_trunk_is_shared():
+    """Default (official code): each client draws its own head before stage 1, from its own
+    generator; the trunk stays the received one. False: every client keeps the received head."""
+    torch.manual_seed(0)
+    model = tiny_net()
+    data = FakeData(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    for independent in (True, False):
+        m = method(stage1_epochs=0, independent_head_init=independent)
+        srv = m.init_server(model)
+        ups = [m.local_update(ctx_for(m, tiny_net(), srv, cid, 1, {}, data)).tensors for cid in (0, 1, 0)]
+        for k, v in srv["global"].items():
+            same = [torch.equal(u[k], v) for u in ups]
+            assert all(same) == (not independent or not k.startswith("head.")), k
+        if independent:
+            assert not torch.equal(ups[0]["head.weight"], ups[1]["head.weight"])  # one draw per client
+            assert torch.equal(ups[0]["head.weight"], ups[2]["head.weight"])  # from its own generator
+
+
 def test_frozen_reference_never_changes_across_rounds():
     m = method(stage1_epochs=2)
     srv, states, history, _ = federation(m, rounds=4)
@@ -321,8 +343,9 @@ def test_stage_one_uses_label_smoothing_and_the_iteration_budget():
     assert up.metrics["steps"] == 10  # 2 x 5 iterations, cycling through 3 passes of 3 batches
     assert len(data.calls) == 4
     # plain CE of the official code's variant gives a different first loss on the same batch
-    ls = method(stage1_epochs=1, stage1_iters_per_epoch=1)
-    oc = method(stage1_epochs=1, stage1_iters_per_epoch=1, variant="official_code")
+    # (one shared initial head, so that the loss can be checked against the received model)
+    ls = method(stage1_epochs=1, stage1_iters_per_epoch=1, independent_head_init=False)
+    oc = method(stage1_epochs=1, stage1_iters_per_epoch=1, variant="official_code", independent_head_init=False)
     losses = []
     for mm in (ls, oc):
         model = tiny_net()
@@ -449,7 +472,7 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
         "train": {"epochs": 1, "batch_size": 4, "lr": 0.05, "momentum": 0.5},
         "eval": {"protocol": "lodo"},
         "runtime": {"num_hosts": 1, "state_memory_mb": 0, "spill_dir": str(tmp_path)},
-        "hp": {"csac": {"stage1_epochs": 1}},
+        "hp": {"csac": {"stage1_epochs": 1, **PASS}},
     })
     clients = [0, 1, 2]
     host = ClientHost(0, cfg, num_hosts=1, gpu_ids=[])  # holds 0..2 and 3, the held-out domain's client

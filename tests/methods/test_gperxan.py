@@ -301,7 +301,7 @@ def test_regularizer_gradient_reaches_the_features_not_the_frozen_head(cls):
     model = tiny_net(xan=cls is GPerXAN)
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 1, 2, 2), torch.tensor([0, 1, 1, 0])
-    m = method(cls, lam=lam)
+    m = method(cls, lam=lam, lr_schedule="engine")  # lr as given (the default anneals it per round)
     up = m.local_update(context(model, [(x, y)], lr=lr))
     # One SGD step. At that step h_g = h_i, so dL/d(theta_g) = (1 + lam) dCE/d(theta_g), while the
     # head gets dCE/d(theta_h) only: the lam term reaches g_i and never the (frozen) head.
@@ -323,7 +323,7 @@ def test_regularizer_uses_the_received_head_while_the_local_head_drifts():
     ref = copy.deepcopy(model)
     torch.manual_seed(4)
     batches = [(torch.randn(4, 1, 2, 2), torch.tensor([0, 1, 1, 0])) for _ in range(3)]
-    method(lam=lam).local_update(context(model, batches, lr=lr))
+    method(lam=lam, lr_schedule="engine").local_update(context(model, batches, lr=lr))
     # Eq. (3)-(4) by hand: h_g is the head as received, frozen for the whole round
     h_g_w, h_g_b = ref.head.weight.detach().clone(), ref.head.bias.detach().clone()
     ref.train()
@@ -343,7 +343,7 @@ def test_lam_zero_is_plain_sgd_and_cosine_and_momentum_options():
     model = tiny_net()
     ref = copy.deepcopy(model)
     x, y = torch.randn(4, 1, 2, 2), torch.tensor([0, 1, 1, 0])
-    method(GFedAvg, lam=0.0).local_update(context(model, [(x, y)], lr=0.1))
+    method(GFedAvg, lam=0.0, lr_schedule="engine").local_update(context(model, [(x, y)], lr=0.1))
     ref.train()
     grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
     for p, q, g in zip(model.parameters(), ref.parameters(), grads):
