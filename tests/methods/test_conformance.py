@@ -32,7 +32,7 @@ TINY = {
     "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5, "grad_clip": 10.0},
     "eval": {"every": 1, "splits": ["val", "test"]},
     "runtime": {"num_hosts": 1},
-    "hp": {"csac": {"stage1_epochs": 1}, "fdse": {"adapt_epochs": 1}},
+    "hp": {"csac": {"stage1_epochs": 1, "stage1_iters_per_epoch": 0, "iters_per_epoch": 0}, "fdse": {"adapt_epochs": 1}},
 }
 
 
