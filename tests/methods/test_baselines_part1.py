@@ -163,6 +163,27 @@ def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_m
         assert set(ctx.state["c"]) == set(state["c"]) and set(devices(ctx.state["c"]).values()) == {"cpu"}
 
 
+def test_scaffold_option_two_uses_the_steps_taken_and_this_rounds_lr():
+    """Spec 2.1 pitfall 2: E = 2 epochs of 2 batches (4 and 2 images) is K = 4 steps (one epoch: 2), and eta_l
+    is the round's decayed lr (ctx.lr = 0.05, train.lr = 0.1): c_i+ = c_i - c + (x - y) / (4 * 0.05)."""
+    m = Scaffold(Scaffold.Hparams(), setup(2))
+    model = small()
+    x = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(4)
+    c = {k: 0.01 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    c_i = {k: 0.02 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    ctx = context(m, model, {"global": x, "c": c}, {"c": {k: v.clone() for k, v in c_i.items()}}, lr=0.05, epochs=2,
+                  data=Data(n=6))
+    ctx.train = TrainConfig(epochs=2, batch_size=4, lr=0.1)  # the undecayed lr
+    up = m.local_update(ctx)
+    assert up.metrics["steps"] == 4
+    for k in c_i:
+        y = up.tensors[k].cpu()
+        expected = c_i[k] - c[k] + (x[k] - y) / (4 * 0.05)
+        assert torch.allclose(ctx.state["c"][k].cpu(), expected, atol=1e-5), k
+        assert torch.allclose(up.tensors[DELTA_C + k].cpu(), expected - c_i[k], atol=1e-5), k
+
+
 # ----------------------------------------------------------------------------- FedDyn
 
 def test_feddyn_reaches_the_global_optimum_on_two_quadratics():
@@ -199,6 +220,17 @@ def test_feddyn_client_updates_its_linear_term_from_its_drift():
         assert torch.allclose(ctx.state["g"][k], g0[k] - 0.1 * (up.tensors[k] - start[k]), atol=1e-7), k
     assert up.weight == 1.0
     assert FedDyn.Hparams.search_space()["alpha"].choices == (0.001, 0.01, 0.03, 0.1)
+
+
+def test_feddyn_server_divides_h_by_all_clients_under_partial_participation():
+    """N = 4, |S| = 2, alpha = 0.5, theta^{t-1} = 1, the clients' mean 3 (sum of drifts 4), h = 0.2:
+    h <- 0.2 - (0.5 / 4) * 4 = -0.3 (1/|S| would give -0.8); theta^t = 3 + 0.3 / 0.5 = 3.6; a buffer
+    takes the mean."""
+    m = FedDyn(FedDyn.Hparams.from_dict({"alpha": 0.5}), setup(4))
+    state = {"global": {"w": torch.tensor([1.0]), "rm": torch.tensor([5.0])}, "h": {"w": torch.tensor([0.2])}}
+    new = m.aggregate(state, Mean({"w": torch.tensor([3.0]), "rm": torch.tensor([7.0])}, 2.0, [0, 1]), 1)
+    assert float(new["h"]["w"]) == pytest.approx(-0.3)
+    assert float(new["global"]["w"]) == pytest.approx(3.6) and float(new["global"]["rm"]) == 7.0
 
 
 # ----------------------------------------------------------------------------- MOON
@@ -240,6 +272,21 @@ def test_moon_keeps_its_previous_model_and_contrasts_from_its_second_round():
     assert head.head.in_features == 16 and head.feature_dim == 16
 
 
+def test_moon_previous_model_is_its_own_last_local_model_every_round():
+    """Spec 2.3: z_prev comes from the client's model at the end of its last participation, never
+    the received global model, in every round (the contrastive ones included)."""
+    m = MOON(MOON.Hparams.from_dict({"mu": 1.0}), setup(2))
+    model = small()
+    glob = {k: v.clone() for k, v in model.state_dict().items()}
+    state = m.init_client_state(0, model)
+    for rnd in (1, 2):
+        model.load_state_dict(glob)
+        up = m.local_update(context(m, model, {"global": glob}, state, rnd=rnd, data=Data(n=4)))
+        assert ("con_loss" in up.metrics) == (rnd > 1)
+        assert all(torch.equal(state["previous"][k], up.tensors[k]) for k in up.tensors), rnd
+        assert not torch.equal(state["previous"]["head.weight"], glob["head.weight"])
+
+
 # ----------------------------------------------------------------------------- Ditto
 
 def test_ditto_personal_solver_converges_geometrically_to_its_fixed_point():
@@ -278,6 +325,21 @@ def test_ditto_anchors_the_personal_model_to_the_received_global_model():
     probe = small(9)
     m.eval_model(probe, {"global": received}, ctx.state)
     assert torch.equal(probe.state_dict()["head.weight"], ctx.state["v"]["head.weight"])
+
+
+def test_ditto_post_train_state_is_the_personal_model():
+    """eval.point post_train scores v_k (FLGo, FDSE), not the global copy the client trained."""
+    m = Ditto(Ditto.Hparams.from_dict({"lam": 0.5}), setup(2))
+    model = small()
+    received = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(6)
+    v0 = {k: v + 0.05 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone()
+          for k, v in received.items()}
+    ctx = context(m, model, {"global": received}, {"v": v0}, data=Data(n=4))
+    m.local_update(ctx)
+    post = m.post_train_state(ctx)
+    assert set(post) == set(ctx.state["v"]) and all(torch.equal(post[k], ctx.state["v"][k]) for k in post)
+    assert not torch.equal(post["head.weight"], model.state_dict()["head.weight"])
 
 
 # ----------------------------------------------------------------------------- LG-FedAvg
@@ -337,3 +399,26 @@ def test_partialfed_starts_from_the_global_model_except_the_kept_layers():
     default = kept_keys(small(), ("bn", "head"))
     assert default == {k for k in small().state_dict() if k.startswith(("features.bn", "head."))}
     assert m.personal_keys(net) == set()  # nothing stays out of the average
+
+
+def test_partialfed_uploads_the_kept_layers_and_the_server_averages_them():
+    """Spec 3.3 pitfall 1: unlike FedBN, BN and head are uploaded and averaged; only the starting
+    point is personal. Two clients start from their own kept layers; the server's head is the
+    n_k-weighted mean of their trained heads."""
+    m = PartialFed(PartialFed.Hparams(), setup(2))
+    model = small()
+    glob = {k: v.clone() for k, v in model.state_dict().items()}
+    kept = kept_keys(model, m.hp.keep)
+    agg = WeightedMean()
+    part, heads = agg.start(), []
+    for cid in (0, 1):
+        own = {k: v + 0.1 * (cid + 1) if v.is_floating_point() else v.clone() for k, v in glob.items()}
+        state = {"model": own}
+        m.load_client_model(model, {"global": glob}, state)
+        up = m.local_update(context(m, model, {"global": glob}, state, cid=cid, data=Data(n=4, seed=cid)))
+        assert set(up.tensors) == set(model.state_dict()) and kept <= set(up.tensors)
+        heads.append((up.tensors["head.weight"].clone(), up.weight))
+        agg.add(part, cid, up)
+    new = m.aggregate({"global": glob}, agg.reduce([part]), 1)["global"]
+    mean = sum(h * w for h, w in heads) / sum(w for _, w in heads)
+    assert torch.allclose(new["head.weight"], mean, atol=1e-6)

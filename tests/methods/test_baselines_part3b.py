@@ -101,6 +101,73 @@ def test_elcfs_server_keeps_each_clients_spectra_and_broadcasts_them():
         ELCFS.Hparams.from_dict({"r": 0.5})
 
 
+class _Pixels:
+    """A client's data for ELCFS's client step: four 1 x 8 x 8 images normalised with (0.5, 0.25)."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = (torch.rand(4, 1, 8, 8, generator=g) - 0.5) / 0.25, torch.randint(0, 3, (4,), generator=g)
+        self.train, self.num_train = SimpleNamespace(mean=(0.5,), std=(0.25,)), 4
+
+    def batches(self, batch_size, generator, device, drop_last=False):
+        order = torch.randperm(4, generator=generator)
+        for i in range(0, 4, batch_size):
+            yield self.x[order[i:i + batch_size]], self.y[order[i:i + batch_size]]
+
+
+def test_elcfs_client_never_draws_its_own_spectra():
+    """A client draws from the *other* clients' spectra: with only its own in the bank it trains on
+    L_in alone (FedAvg's step, the same batches); another client's spectra make the step episodic."""
+    from raysim.contract import ClientContext
+    from raysim.methods.fedavg import FedAvg
+    m = ELCFS(ELCFS.Hparams(), setup(size=8))
+    model = m.build_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    own, other = torch.rand(3, 1, 1, 1) * 30, torch.rand(3, 1, 1, 1) * 30
+
+    def step(method, bank):
+        model.load_state_dict(start)
+        ctx = ClientContext(client_id=0, domain="a", round=2, model=model, payload={"global": start, "bank": bank},
+                            state={"uploaded": True}, data=_Pixels(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
+                            generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+        return {k: v.clone() for k, v in method.local_update(ctx).tensors.items()}
+    fedavg = step(FedAvg(FedAvg.Hparams(), setup(size=8)), {})
+    alone = step(m, {0: own})
+    assert all(torch.equal(alone[k], fedavg[k]) for k in fedavg)
+    assert not torch.equal(step(m, {0: own, 1: other})["head.weight"], fedavg["head.weight"])
+
+
+def test_elcfs_lambda_is_drawn_uniformly_per_sample():
+    """r = 0 (the DC term): a constant 0.2 image mixed with a constant 0.8 donor is 0.2 + 0.6 lambda, so
+    each sample's lambda can be read back; lambda ~ U(0, 1), one per sample (not 1: a full swap)."""
+    m = ELCFS(ELCFS.Hparams(), setup())
+    x = torch.full((32, 1, 4, 4), 0.2)
+    others = [amplitude_window(torch.full((1, 1, 4, 4), 0.8), 0)]
+    zero, one = torch.zeros(1, 1, 1, 1), torch.ones(1, 1, 1, 1)
+    out = m.interpolate(x, others, zero, one, 0, torch.Generator().manual_seed(0))
+    lam = (out.mean(dim=(1, 2, 3)) - 0.2) / 0.6
+    assert torch.allclose(out, out.mean(dim=(2, 3), keepdim=True), atol=1e-6)  # still constant images
+    assert float(lam.min()) > 0 and float(lam.max()) < 1 and float(lam.max() - lam.min()) > 0.5
+
+
+def test_elcfs_interpolated_image_is_clipped_to_the_pixel_range():
+    """x' is clipped to [0, 1] before normalisation (mean 0.5, std 0.25): a 0/1 checkerboard (mean 0.5)
+    mixed at r = 0 with a constant 1 donor moves every pixel up by lambda / 2, so its ones are clipped
+    at 1 and its zeros become lambda / 2 > 0; with a constant 0 donor the zeros are clipped at 0."""
+    m = ELCFS(ELCFS.Hparams(), setup())
+    board = (torch.arange(4)[:, None] + torch.arange(4)[None, :]) % 2
+    x01 = board.float().expand(6, 1, 4, 4)
+    mean, std = torch.full((1, 1, 1, 1), 0.5), torch.full((1, 1, 1, 1), 0.25)
+    ones = board.bool().expand(6, 1, 4, 4)
+    for donor, clipped, moved in ((1.0, ones, ~ones), (0.0, ~ones, ones)):
+        others = [amplitude_window(torch.full((1, 1, 4, 4), donor), 0)]
+        out = m.interpolate((x01 - mean) / std, others, mean, std, 0, torch.Generator().manual_seed(1)) * std + mean
+        assert torch.allclose(out[clipped], torch.full_like(out[clipped], float(donor)), atol=1e-6)
+        assert float(out.min()) >= -1e-6 and float(out.max()) <= 1 + 1e-6
+        assert float((out[moved] - x01[moved]).abs().min()) > 0  # lambda > 0: unclipped, these would leave [0, 1]
+
+
 # ----------------------------------------------------------------------------- CCST
 
 def test_ccst_adain_pins_the_population_std():
@@ -188,6 +255,16 @@ def test_mixstyle_layer_placement_and_when_it_is_the_identity():
     layer.eval()
     assert layer(x) is x
     assert (FedAvgMixStyle.Hparams().p, FedAvgMixStyle.Hparams().alpha) == (0.5, 0.1)
+
+
+def test_mixstyle_statistics_carry_no_gradient():
+    """mu and sigma detached (the authors' release): d out / d x = sigma_mix / sigma elementwise. The
+    example above, loss = sum(w * out) with w = (1, 3) on each instance's two pixels: instance 0 gets
+    1.75 / 1 * w, instance 1 (lambda 1) 1 * w."""
+    x = torch.tensor([[[[0.0, 2.0]]], [[[10.0, 14.0]]]], requires_grad=True)
+    w = torch.tensor([1.0, 3.0]).view(1, 1, 1, 2)
+    (w * mix_styles(x, torch.tensor([0.25, 1.0]), torch.tensor([1, 0]), eps=1e-6)).sum().backward()
+    assert x.grad.flatten().tolist() == pytest.approx([1.75, 5.25, 1.0, 3.0], abs=1e-4)
 
 
 # ----------------------------------------------------------------------------- RSC

@@ -212,6 +212,36 @@ def test_feddrop_client_step_trains_only_its_sub_model():
     assert torch.equal(new["features.conv2.weight"][dropped], before["features.conv2.weight"][dropped])
 
 
+def two_uploads(m):
+    """A full model (all 1) and a sub-model holding conv2's filters {0, 2} (all 3), weight 1 each, on a
+    zero global model (tiny_net2: group 1 is conv2's four filters)."""
+    prev = {k: torch.zeros_like(v) for k, v in m.build_model().state_dict().items()}
+    def up(value, plan):
+        full = {k: torch.full_like(v, value) for k, v in prev.items()}
+        extras = {"plan": {str(g): i for g, i in plan.items()}}
+        return Upload(extract(full, slices(m.ref.dims, plan)), 1.0, extras=extras)
+    return {"global": prev}, AllUploads({0: up(1.0, {}), 1: up(3.0, {1: T([0, 2])})})
+
+
+def test_feddrop_default_maps_back_with_a_zero_update():
+    """The default as it stands on this branch: "all" (the paper maps each update back and averages as
+    FedAvg does): filters 0 and 2 (1 + 3) / 2 = 2, filters 1 and 3 (1 + 0) / 2 = 0.5."""
+    assert FedDrop.Hparams().aggregation == "all"
+    m = method(FedDrop, tiny_net2)
+    out = m.aggregate(*two_uploads(m), 1)["global"]
+    assert out["features.conv2.weight"].flatten(1)[:, 0].tolist() == [2.0, 0.5, 2.0, 0.5]
+
+
+def test_feddrop_all_and_holders_differ_where_a_client_dropped():
+    """"all": a dropped filter gets a zero update from that client, (1 + 0) / 2; "holders": only the
+    full client holds filters 1 and 3, so they take its 1."""
+    for mode, expected in (("all", [2.0, 0.5, 2.0, 0.5]), ("holders", [2.0, 1.0, 2.0, 1.0])):
+        m = method(FedDrop, tiny_net2, aggregation=mode)
+        out = m.aggregate(*two_uploads(m), 1)["global"]
+        assert out["features.conv2.weight"].flatten(1)[:, 0].tolist() == expected, mode
+        assert out["features.bn2.weight"].tolist() == expected, mode
+
+
 # ----------------------------------------------------------------------------- FedMP
 
 def test_fedmp_l1_masks_by_hand():
@@ -258,6 +288,15 @@ def test_fedmp_plan_skips_the_stem_and_ranks_the_global_model():
     m2 = method(FedMP, tiny_net2, prune_stem=True)  # client 1: tier 1, rho 0.2: 4 - round(0.8) = 3 kept
     assert [len(v) for v in m2.plan(SimpleNamespace(client_id=1, model=net), m2.ref.groups).values()] == [3, 3]
     assert m2.client_rho(0) == 0.0 and m2.client_rho(1) == 0.2 and m2.client_rho(6) == 0.2
+
+
+def test_fedmp_aggregate_is_r2sp_not_the_holders_mean():
+    """The server step itself (spec 6.1): a client pruned to filters {0, 2} of conv2 contributes the
+    global model's value (0) at filters 1 and 3: (1 + 0) / 2 = 0.5 there, not the holders' 1."""
+    m = method(FedMP, tiny_net2, rho_levels=[0.0, 0.5])
+    out = m.aggregate(*two_uploads(m), 1)["global"]
+    assert out["features.conv2.weight"].flatten(1)[:, 0].tolist() == [2.0, 0.5, 2.0, 0.5]
+    assert out["head.weight"].tolist() == [[2.0, 0.5, 2.0, 0.5]] * 2  # the head's columns follow conv2's channels
 
 
 # ----------------------------------------------------------------------------- NeFL
