@@ -38,6 +38,7 @@ from torch import nn
 from raysim.aggregation import KeepAll, weighted_mean
 from raysim.contract import ClientContext, Method, Upload, client_weight
 from raysim.errors import UserError
+from raysim.models.flops import probe
 from raysim.models.norm import is_norm
 
 
@@ -347,7 +348,8 @@ def _positions(model: nn.Module, image_shape) -> dict[str, int]:
     was = model.training
     model.eval()
     try:
-        model(torch.zeros((1,) + tuple(image_shape)))
+        with probe():
+            model(torch.zeros((1,) + tuple(image_shape)))
     finally:
         for h in handles:
             h.remove()

@@ -279,15 +279,11 @@ class DapperFL(Method):
         return self.hp.rho_levels[self.client_tier(client_id)]
 
     def client_footprint(self, client_id: int, dense: dict) -> dict:
-        """What the device trains, for the simulated clock: the paper's premise that a C_i device
-        affords a (1 - rho_i) share of the model (memory), and per sample the dense fine-tune epoch,
-        the E - 1 pruned epochs at (1 - rho_i) of the cost, and the dense BN pass of
-        ``bn_stats: recovered`` (a forward only: a third of a training step), averaged over E."""
+        """What the device must hold: the paper's premise that a C_i device affords a (1 - rho_i) share
+        of the model (its memory budget). The clock measures the passes themselves: the dense
+        fine-tune epoch, the pruned epochs and the dense BN pass of ``bn_stats: recovered``."""
         keep = 1.0 - self.client_rho(client_id)
-        epochs = self.setup.train.epochs
-        ft = min(self.hp.finetune_epochs, epochs)
-        work = ft + (epochs - ft) * keep + (1 / 3 if self.hp.bn_stats == "recovered" else 0.0)
-        return {"params": dense["params"] * keep, "macs": dense["macs"] * work / epochs}
+        return {"params": dense["params"] * keep, "macs": dense["macs"] * keep}
 
     def num_labels(self, ctx: ClientContext) -> int:
         """|K_i|: the labels present in the client's training data."""

@@ -20,12 +20,33 @@ stored is what ``nonzero_only`` inspects.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from raysim.models.norm import is_norm
+
+
+_probing = 0  # > 0 inside probe()
+
+
+@contextlib.contextmanager
+def probe():
+    """A forward pass that measures a model (:func:`count_flops`, a method's sub-model sizes):
+    bookkeeping of the simulator, not a device's compute, so the simulated clock does not charge it."""
+    global _probing
+    _probing += 1
+    try:
+        yield
+    finally:
+        _probing -= 1
+
+
+def probing() -> bool:
+    """Whether a :func:`probe` pass is running."""
+    return _probing > 0
 
 
 def count_params(model: nn.Module, nonzero_only: bool = False, trainable_only: bool = False) -> int:
@@ -80,7 +101,7 @@ def count_flops(model: nn.Module, input_shape: Sequence[int] | None = None,
         device = p.device if p is not None else torch.device("cpu")
         dtype = p.dtype if p is not None and p.is_floating_point() else torch.float32
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), probe():
             model(torch.zeros(1, *input_shape, device=device, dtype=dtype))
     finally:
         for h in handles:

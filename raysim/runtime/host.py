@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
@@ -20,6 +21,7 @@ from raysim.aggregation import WeightedMean
 from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.clientdata import device_budget, keep_on_device
+from raysim.runtime.compute import ComputeMeter
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore, state_nbytes
@@ -91,7 +93,7 @@ class ClientHost:
         self._personal_keys = sorted(self.method.personal_keys(self.model)) if self._gather_personal else []
         # client system profiles drive a simulated clock (raysim.profiles); none: no clock rows
         self._clocked = bool(self.fed.setup.client_profiles)
-        if self._clocked:
+        if self._clocked:  # the footprint a client's memory must hold (its compute is measured: _clock)
             from raysim.models import count_flops, count_params
             self._dense = {"params": float(count_params(self.model)),
                            "macs": float(count_flops(self.model, self.fed.image_shape))}
@@ -170,7 +172,8 @@ class ClientHost:
             record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
             self.method.load_client_model(self.model, mine, record["state"])
             ctx = self._context(cid, rnd, mine, record["state"])
-            up = self.method.local_update(ctx)
+            with ComputeMeter() if self._clocked else nullcontext() as meter:
+                up = self.method.local_update(ctx)
             record = {"state": ctx.state}
             if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
                 record["trained"] = self.method.post_train_state(ctx)
@@ -182,7 +185,7 @@ class ClientHost:
             metrics = part["metrics"][cid] = dict(up.metrics)
             sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
             part["bytes_up"] += sent
-            if self._clocked and self._clock(cid, ctx, foot, tensors_nbytes(mine), sent, metrics):
+            if self._clocked and self._clock(cid, meter.macs, tensors_nbytes(mine), sent, metrics):
                 continue  # dropped from the aggregate: the server stopped waiting at the deadline
             self.method.aggregator.add(part["partial"], cid, up)
             if part["personal"] is not None:  # for the global model only (Method.global_eval_model)
@@ -229,11 +232,11 @@ class ClientHost:
                 out[cid] = record
         return out
 
-    def _clock(self, cid: int, ctx: ClientContext, foot: dict, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
-        """The client's simulated round (compute from its steps x batch x model FLOPs at its
-        speed, transfer from the bytes at its bandwidth) into ``metrics``; True if it missed the deadline."""
-        train_flops = 3 * 2 * foot["macs"] * ctx.steps * self.cfg.train.batch_size  # forward + backward
-        compute, comm = device_time(self.fed.profile(cid), train_flops, bytes_down, bytes_up)
+    def _clock(self, cid: int, macs: float, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
+        """The client's simulated round (compute from the multiply-accumulates of every pass its step
+        ran, :class:`ComputeMeter`, at its speed; transfer from the bytes at its bandwidth) into
+        ``metrics``; True if it missed the deadline."""
+        compute, comm = device_time(self.fed.profile(cid), 2 * macs, bytes_down, bytes_up)  # FLOPs = 2 x MACs
         deadline = self.cfg.clients.deadline_s
         late = deadline is not None and compute + comm > deadline
         metrics.update(sim_compute_s=compute, sim_comm_s=comm, sim_seconds=compute + comm,

@@ -1,5 +1,7 @@
 """Client system profiles and the simulated clock: hand-computed times, availability, memory
-budgets, deadlines, and the same simulated times on any host layout."""
+budgets, deadlines, and the same simulated times on any host layout; every pass a client step runs
+is charged (raysim.runtime.compute), whichever method runs it."""
+import copy
 import os
 
 import pyarrow.parquet as pq
@@ -10,6 +12,7 @@ from raysim.errors import UserError
 from raysim.experiment import federation
 from raysim.profiles import device_time, fits_memory, read_trace
 from raysim.runtime.backend import InProcess
+from raysim.runtime.compute import ComputeMeter
 
 LEVELS = [{"name": "fast", "flops": 1.0e9, "up_mbps": 10, "down_mbps": 50},
           {"name": "slow", "flops": 1.0e8, "up_mbps": 1, "down_mbps": 5, "availability": 0.6}]
@@ -49,13 +52,13 @@ def test_the_clock_of_a_run_is_the_profiles_and_the_same_on_any_layout(ray_sessi
     one = run(tmp_path / "one", "runtime.num_hosts=1")
     two = run(tmp_path / "two", "runtime.num_hosts=2")
     assert one.equals(two)
-    # by hand for a fast client of round 1: 3 steps of 16 (40 images, batch 16), forward + backward
+    # by hand for a fast client of round 1: 40 images (batches of 16, 16, 8), forward + backward
     # = 3 x 2 x MACs per sample; the payload and the upload are the model (small_cnn, float32)
     net = build("small_cnn", num_classes=10, in_channels=3, input_size=16, norm="bn")
     macs = count_flops(net, (3, 16, 16))
     size = sum(v.numel() * v.element_size() for v in net.state_dict().values())
     compute, comm = client(one, "sim_compute_s"), client(one, "sim_comm_s")
-    assert compute[(1, 0)] == pytest.approx(6 * macs * 3 * 16 / 1e9)
+    assert compute[(1, 0)] == pytest.approx(6 * macs * 40 / 1e9)
     assert comm[(1, 0)] == pytest.approx(8 * size / 50e6 + 8 * size / 10e6)
     slow = next(k for k in compute if k[1] % 2)
     assert compute[slow] == pytest.approx(10 * compute[(1, 0)])  # the slow level: a tenth of the speed
@@ -91,3 +94,152 @@ def test_availability_trace(ray_session, tmp_path):
         load_config(raw={**RAW, "clients": {"profiles": {"levels": LEVELS, "trace": "/nowhere.csv"}}})
     with pytest.raises(UserError, match="availability = 1.5"):
         load_config(raw={**RAW, "clients": {"profiles": {"levels": [{"name": "x", "availability": 1.5}]}}})
+
+
+# ----------------------------------------------------------------------------- every pass is charged
+
+def test_the_meter_charges_each_forward_and_backward_at_the_layers_multiply_accumulates():
+    """Linear(3, 2) on a batch of 5: 30 MACs a forward. Trained: + 2 x 30 for its backward (input
+    and weight gradients). Under no_grad: 30. Frozen, a gradient passing through it: + 30. A conv
+    with one of its two filters zeroed (a pruned sub-model) costs what is left: 1 x 3 x 2 x 2 taps
+    at 4 x 4 positions x 2 samples = 192."""
+    import torch
+    from torch import nn
+    lin, x = nn.Linear(3, 2), torch.randn(5, 3)
+    with ComputeMeter() as m:
+        lin(x).sum().backward()
+    assert m.macs == 3 * 30
+    with ComputeMeter() as m, torch.no_grad():
+        lin(x)
+    assert m.macs == 30
+    lin.requires_grad_(False)
+    with ComputeMeter() as m:
+        lin(x.requires_grad_()).sum().backward()
+    assert m.macs == 2 * 30
+    conv = nn.Conv2d(3, 2, 2)
+    with torch.no_grad():
+        conv.weight[1].zero_()
+    with ComputeMeter() as m, torch.no_grad():
+        conv(torch.randn(2, 3, 5, 5))
+    assert m.macs == 3 * 2 * 2 * 16 * 2
+    with ComputeMeter() as m:  # outside the meter nothing is counted; inside, any module
+        pass
+    lin(x)
+    assert m.macs == 0
+
+
+TINY = {
+    "seed": 4,
+    "data": {"dataset": "digits5", "options": {"image_size": 16},
+             "partition": {"kind": "per_domain", "train_size": 12, "domains": ["mnist", "usps"]}},
+    "model": {"name": "small_cnn", "norm": "bn"},
+    "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+    # DapperFL's five device levels; client 0 on C4 (rho 0.6 for the methods that prune by level)
+    "clients": {"profiles": {"levels": ["C1", "C2", "C3", "C4", "C5"], "assign": [3, 0]}},
+}
+
+
+def charged(method, hp=None, rounds=1, **train):
+    """(MACs the meter charges client 0's step in the last of ``rounds`` rounds, the method, the
+    model it trained, the upload): the real method on a tiny federation, in this process. Client 0
+    holds 12 training images (batches of 8 and 4)."""
+    import torch
+    from raysim.contract import ClientContext
+    from raysim.runtime.federation import Federation
+    from raysim.runtime.seeding import generator_for
+    raw = {**TINY, "method": method, "train": {**TINY["train"], **train}}
+    if hp:
+        raw["hp"] = {method: hp}
+    cfg = load_config(raw=raw)
+    fed = Federation(cfg)
+    m = fed.method
+    model = fed.initial_model()
+    payload = m.broadcast(m.init_server(model), 1)
+    state = m.init_client_state(0, model)
+    for rnd in range(1, rounds + 1):
+        m.load_client_model(model, payload, state)
+        ctx = ClientContext(client_id=0, domain=fed.domain(0), round=rnd, model=model, payload=payload, state=state,
+                            data=fed.client_data(0), train=cfg.train, lr=cfg.train.lr,
+                            generator=generator_for(cfg.seed, rnd, 0, "train"), device=torch.device("cpu"),
+                            profile=fed.profile(0))
+        with ComputeMeter() as meter:
+            up = m.local_update(ctx)
+        state = ctx.state
+    return meter.macs, m, model, up
+
+
+def dense_macs(model) -> int:
+    from raysim.models import count_flops
+    return count_flops(model, (3, 16, 16))
+
+
+def test_fedavg_is_charged_three_passes_of_its_model_per_sample():
+    macs, _, model, _ = charged("fedavg")
+    assert macs == 3 * dense_macs(model) * 12
+
+
+def test_dittos_personal_solver_doubles_fedavgs_compute():
+    """One step of each solver on every batch (the global model's and the personal model's)."""
+    fedavg, _, model, _ = charged("fedavg")
+    ditto, _, _, _ = charged("ditto")
+    assert ditto == 2 * fedavg and ditto >= 1.9 * fedavg
+
+
+def test_moon_is_charged_its_two_frozen_forwards():
+    """From round 2 each batch also runs the received global model's and the previous local
+    model's trunks (no gradient): 3 x M + 2 x (M - the classifier's MACs) per sample."""
+    macs, _, model, _ = charged("moon", {"head": "none"}, rounds=2)
+    m = dense_macs(model)
+    head = model.head.in_features * model.head.out_features
+    assert macs == 3 * m * 12 + 2 * (m - head) * 12
+    first, _, _, _ = charged("moon", {"head": "none"}, rounds=1)  # round 1 contrasts nothing
+    assert first == 3 * m * 12
+
+
+def test_sub_model_methods_are_charged_their_sub_model_as_before():
+    """FedMP and NeFL train a sub-model and run no other pass: 3 x its MACs per sample, the figure
+    their client_footprint gives (what the clock charged before every pass was metered)."""
+    for method in ("fedmp", "nefl"):
+        macs, m, model, _ = charged(method)
+        foot = m.client_footprint(0, {"params": 0.0, "macs": float(dense_macs(model))})
+        assert foot["macs"] < dense_macs(model), method  # tier 3: a pruned model
+        assert macs == pytest.approx(3 * foot["macs"] * 12), method
+
+
+def test_dapperfl_is_charged_its_dense_epoch_pruned_epochs_and_bn_pass():
+    """E = 3: one dense fine-tune epoch (3 x M), two pruned epochs (3 x the masked model's
+    non-zero MACs), and with bn_stats: recovered one dense forward over D_i (M), which the clock
+    used to add by hand and now sees."""
+    from raysim.models import count_flops
+    for bn_stats, extra in (("pruned", 0), ("recovered", 1)):
+        macs, m, model, up = charged("dapperfl", {"rho": 0.6, "bn_stats": bn_stats}, epochs=3)
+        dense = dense_macs(model)
+        pruned = copy.deepcopy(model)
+        pruned.load_state_dict(up.tensors)  # w * M: what the pruned epochs ran
+        sub = count_flops(pruned, (3, 16, 16), nonzero_only=True)
+        assert sub < 0.7 * dense
+        assert macs == pytest.approx(3 * dense * 12 + 2 * 3 * sub * 12 + extra * dense * 12), bn_stats
+
+
+def test_a_pass_the_method_does_not_declare_is_charged(monkeypatch):
+    """A toy method: FedAvg plus a forward of the model under no_grad on every batch, declared
+    nowhere: charged 3 x M + M per sample."""
+    import torch
+    import torch.nn.functional as F
+    from raysim.methods import registry
+    from raysim.methods.fedavg import FedAvg
+
+    class PeekingFedAvg(FedAvg):
+        name = "peeking_fedavg"
+
+        def local_update(self, ctx):
+            opt = ctx.optimizer()
+            for x, y in ctx.batches():
+                with torch.no_grad():
+                    ctx.model(x)
+                ctx.step(F.cross_entropy(ctx.model(x), y), opt)
+            return self.upload(ctx, ctx.stats())
+
+    monkeypatch.setitem(registry._METHODS, "peeking_fedavg", PeekingFedAvg)
+    macs, _, model, _ = charged("peeking_fedavg")
+    assert macs == 4 * dense_macs(model) * 12
