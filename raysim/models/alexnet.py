@@ -20,6 +20,7 @@ from torch import nn
 
 from raysim.errors import UserError
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
+from raysim.models.dropout import KeyedDropout
 from raysim.models.norm import NormSpec, check_norm, make_norm
 from raysim.models.registry import register
 
@@ -62,7 +63,7 @@ class AlexNet(Net):
                 layers[f"fc{i - 5}"] = nn.Linear(in_f, hidden)
                 layers[f"bn{i}"] = make_norm(norm, hidden, 1)
             else:
-                layers[f"drop{i - 5}"] = nn.Dropout(dropout)
+                layers[f"drop{i - 5}"] = KeyedDropout(dropout)
                 layers[f"fc{i - 5}"] = nn.Linear(in_f, hidden)
             layers[f"relu{i}"] = nn.ReLU(inplace=True)
             in_f = hidden

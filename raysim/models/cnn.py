@@ -13,6 +13,7 @@ from torch import nn
 
 from raysim.errors import UserError
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
+from raysim.models.dropout import KeyedDropout
 from raysim.models.norm import NormSpec, check_norm, make_norm
 from raysim.models.registry import register
 
@@ -37,7 +38,7 @@ def _fc_block(i: int, in_f: int, out_f: int, norm: NormSpec, fc_norm: bool,
     if fc_norm:
         return [(f"fc{i}", nn.Linear(in_f, out_f)), (f"bn{i + 3}", make_norm(norm, out_f, 1)),
                 (f"relu{i + 3}", nn.ReLU(inplace=True))]
-    return [(f"drop{i}", nn.Dropout(dropout)), (f"fc{i}", nn.Linear(in_f, out_f)),
+    return [(f"drop{i}", KeyedDropout(dropout)), (f"fc{i}", nn.Linear(in_f, out_f)),
             (f"relu{i + 3}", nn.ReLU(inplace=True))]
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from torch import nn
 
 from raysim.errors import UserError
+from raysim.models.dropout import keyed_dropout
 from raysim.models.norm import check_norm
 
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {}
@@ -77,4 +78,4 @@ def build(name: str, num_classes: int = 10, in_channels: int | None = None,
     if pretrained is not None and "pretrained" not in accepted:
         from raysim.models.pretrained import load_pretrained
         load_pretrained(model, pretrained)
-    return model
+    return keyed_dropout(model)  # dropout masks from the client's keyed generator (raysim.models.dropout)

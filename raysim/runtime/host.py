@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 
 from raysim.aggregation import WeightedMean
+from raysim.models.dropout import dropout_generator
 from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.clientdata import device_budget, keep_on_device
@@ -172,7 +173,8 @@ class ClientHost:
             record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
             self.method.load_client_model(self.model, mine, record["state"])
             ctx = self._context(cid, rnd, mine, record["state"])
-            with ComputeMeter() if self._clocked else nullcontext() as meter:
+            with ComputeMeter() if self._clocked else nullcontext() as meter, \
+                    dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
                 up = self.method.local_update(ctx)
             record = {"state": ctx.state}
             if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
@@ -272,7 +274,9 @@ class ClientHost:
         for cid in sorted(set(requests) - set(seen)):
             model = self._global_model(payload)  # afresh: adaptation changes it
             before = self._scores(model, cid, requests[cid])
-            if self.cfg.eval.adapt and self.method.adapt_to_unseen(model, self._unseen(cid, rnd)):
+            with dropout_generator(generator_for(self.cfg.seed, rnd, cid, "adapt_dropout", self.device)):
+                adapted = self.cfg.eval.adapt and self.method.adapt_to_unseen(model, self._unseen(cid, rnd))
+            if adapted:
                 out[cid] = {**self._scores(model, cid, requests[cid]),
                             **{f"{split}_unadapted": r for split, r in before.items()}}
             else:

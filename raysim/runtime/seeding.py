@@ -16,11 +16,13 @@ def _key(seed: int, rnd: int, client: int, purpose: str) -> list[int]:
     return [int(seed) & 0xFFFFFFFF, int(rnd), int(client) + 1, zlib.crc32(purpose.encode())]
 
 
-def generator_for(seed: int, rnd: int, client: int, purpose: str) -> "torch.Generator":
+def generator_for(seed: int, rnd: int, client: int, purpose: str, device=None) -> "torch.Generator":
+    """A torch generator keyed by (seed, round, client, purpose), on ``device`` (default the CPU: a
+    device's own generator draws there without a copy, with that device's random stream)."""
     import torch  # here: the driver imports this module for rng_for and never needs torch
 
     state = np.random.SeedSequence(_key(seed, rnd, client, purpose)).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
+    return torch.Generator(device=device or "cpu").manual_seed(int(state))
 
 
 def rng_for(seed: int, rnd: int, client: int, purpose: str) -> np.random.Generator:

@@ -5,7 +5,9 @@
   client trained on another host than its own (its record moved there and back: work stealing);
 * a round leaves torch's, numpy's and Python's global random state untouched;
 * every client's stored state round-trips through ``torch.load(weights_only=True)``;
-* the ``global`` and ``lodo`` protocols run and score the unseen domain.
+* the ``global`` and ``lodo`` protocols run and score the unseen domain;
+* with a model that has dropout (cnn6), the metrics are the same for every layout too: its masks
+  come from each client's keyed generator (raysim.models.dropout), not from a host's global one.
 
 A method added later is covered by being registered."""
 import io
@@ -94,6 +96,23 @@ def test_method_conforms(method, tmp_path, ray_session):
     lodo = run_tiny(method, tmp_path / "lodo", "eval.protocol=lodo", "data.partition.holdout=usps", "rounds=1")
     target = lodo[(lodo.split == "test") & (lodo.client >= 0)]
     assert set(target.domain) == {"usps"} and len(target[target.metric == "accuracy"]) == 1
+
+
+@pytest.mark.parametrize("method", ["ditto", "fedbn"])
+def test_dropout_draws_the_same_masks_whatever_the_layout(method, tmp_path, ray_session):
+    """cnn6 (dropout 0.5 before both hidden FC layers) at 8 px: 1 host, 2 hosts and one client per
+    host give identical metrics. Ditto trains a second (personal) copy of the network; FedBN's
+    unseen client (leave-one-domain-out) collects its BN statistics in train mode."""
+    model = ["model.name=cnn6", "data.options.image_size=8"]
+    layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=2"],
+               ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
+    protocol = ["eval.protocol=lodo", "data.partition.holdout=usps"] if method == "fedbn" else []
+    frames = [run_tiny(method, tmp_path / f"layout{i}", *model, *protocol, *layout)
+              for i, layout in enumerate(layouts)]
+    for other in frames[1:]:
+        assert other.equals(frames[0])
+    losses = frames[0][(frames[0].split == "train") & (frames[0].metric == "loss")].value
+    assert len(losses) and losses.notna().all()
 
 
 def _same(a, b) -> bool:
