@@ -70,6 +70,15 @@ def test_the_clock_of_a_run_is_the_profiles_and_the_same_on_any_layout(ray_sessi
     assert os.path.isfile(tmp_path / "one" / "metrics.parquet")
 
 
+def test_the_hosts_clock_charges_a_methods_extra_passes(ray_session, tmp_path):
+    """The engine's clock, not only the meter: Ditto's round (a global and a personal step on every
+    batch) takes twice FedAvg's simulated compute on every client (the clock used to charge both
+    the same: steps x batch x model)."""
+    fedavg = client(run(tmp_path / "fedavg", "rounds=1"), "sim_compute_s")
+    ditto = client(run(tmp_path / "ditto", "rounds=1", "method=ditto"), "sim_compute_s")
+    assert ditto.keys() == fedavg.keys() and all(ditto[k] == pytest.approx(2 * fedavg[k]) for k in fedavg)
+
+
 def test_deadline_and_memory_drop_clients_from_the_aggregate(ray_session, tmp_path):
     df = run(tmp_path / "deadline", clients={"profiles": {"levels": LEVELS}, "deadline_s": 1.0})
     done, dropped = client(df, "completed"), client(df, "dropped_deadline")
