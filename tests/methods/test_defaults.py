@@ -139,8 +139,11 @@ def defaults(name: str) -> dict:
             for f in dataclasses.fields(registry.get(name).Hparams)}
 
 
+SHIPPED = registry.names()  # at collection, before any test registers a toy method of its own
+
+
 def test_every_registered_method_has_its_defaults_pinned():
-    assert set(PINNED) == set(registry.names())
+    assert set(PINNED) == set(SHIPPED)
 
 
 @pytest.mark.parametrize("method", registry.names())
