@@ -18,6 +18,7 @@ from raysim.methods.fdse import (FDSE, ConsistencyRegularizer, FDSEHparams, batc
 from raysim.methods.fdse.layers import DSEConv, DSELinear, decompose, dse_blocks
 from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net
+from raysim.models.dropout import dropout_generator
 from raysim.runtime.host import tensors_nbytes
 
 
@@ -139,7 +140,8 @@ def test_fdse_cnn6_decomposition():
     assert count_params(m) == by_hand + 512 * 10 + 10 == 9_086_314
     assert count_params(base) == 18_146_250
     assert isinstance(m.features.drop1, nn.Dropout)  # the rest of the backbone is untouched
-    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with dropout_generator(torch.Generator().manual_seed(0)):  # train mode, as inside a client step
+        assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 # ============================================================================ Eqs. 4-7

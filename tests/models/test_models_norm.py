@@ -5,6 +5,7 @@ from torch import nn
 
 from raysim.errors import UserError
 from raysim.models import available, build, gn_groups, is_norm, make_norm
+from raysim.models.dropout import dropout_generator
 
 # Small inputs (and narrow AlexNet FC layers) keep the sweep fast; the paper sizes and widths
 # are covered in test_models_zoo.
@@ -13,6 +14,13 @@ SMALL = {"alexnet": dict(input_size=96, hidden=128), "alexnet_fdse": dict(input_
          "resnet18_tv": dict(input_size=64), "resnet50_tv": dict(input_size=64),
          "densenet121_tv": dict(input_size=64)}  # "in" needs > 1x1 at the last norm
 FC_NORM_MODELS = {"alexnet_fdse", "mlp"}  # BN1d between FC layers: instance norm is undefined there
+
+
+@pytest.fixture(autouse=True)
+def client_step_dropout():
+    """Train-mode passes here stand in for a client step: dropout draws from a keyed generator."""
+    with dropout_generator(torch.Generator().manual_seed(0)):
+        yield
 
 
 def small(name, **kw):
