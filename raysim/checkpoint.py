@@ -61,11 +61,8 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
 
     try:
         os.makedirs(tmp)
-        # through a Python file object: a full disk is then an OSError(ENOSPC), not torch's
-        # "PytorchStreamWriter failed writing file" RuntimeError
         for name, obj in (("server.pt", server_state), ("clients.pt", client_states)):
-            with open(os.path.join(tmp, name), "wb") as fh:
-                torch.save(obj, fh)
+            _save(torch, obj, os.path.join(tmp, name))
         pq.write_table(metrics_table, os.path.join(tmp, "metrics.parquet"))
         sha256 = {name: _digest_and_sync(os.path.join(tmp, name)) for name in _DATA_FILES}
         meta = {"format_version": FORMAT_VERSION, "round": rnd, "method": cfg.method,
@@ -83,6 +80,39 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
     for old in list_rounds(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, f"round-{old:06d}"), ignore_errors=True)
     return final
+
+
+def _save(torch, obj, path: str) -> None:
+    """torch.save that fails with the file system's own OSError (ENOSPC, EDQUOT, EIO...): torch
+    turns a failed write into a RuntimeError ("unexpected pos", "file write failed") that hides
+    it, so the writes go through a sink that keeps the first OSError and raises it afterwards."""
+    with open(path, "wb") as fh:
+        sink = _Sink(fh)
+        torch.save(obj, sink)
+        if sink.error is not None:
+            raise sink.error
+        fh.flush()  # a buffered tail that no longer fits fails here, as an OSError
+
+
+class _Sink:
+    def __init__(self, fh):
+        self.fh, self.error = fh, None
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if self.error is None:
+            try:
+                self.fh.write(data)
+            except OSError as err:
+                self.error = err  # the rest is dropped: the file is discarded anyway
+        return size
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.fh.flush()
+            except OSError as err:
+                self.error = err
 
 
 def _digest_and_sync(path: str) -> str:

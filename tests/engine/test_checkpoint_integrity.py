@@ -166,6 +166,45 @@ def test_a_failed_write_removes_its_tmp_folder_and_reraises_the_same_error(tmp_p
     assert checkpoint.latest(str(tmp_path), c, warn=pytest.fail)["round"] == 4
 
 
+class _Capped:
+    """A binary file that runs out of space after ``limit`` bytes, as a full disk does."""
+
+    def __init__(self, fh, limit):
+        self.fh, self.left = fh, limit
+
+    def write(self, data):
+        n = memoryview(data).nbytes
+        if n > self.left:
+            self.fh.write(bytes(memoryview(data).cast("B")[: self.left]))
+            self.left = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= n
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
+def test_disk_full_inside_torch_save_is_the_os_error_not_torchs(tmp_path, monkeypatch):
+    """torch.save reports a write that fails mid-archive as its own RuntimeError ("unexpected
+    pos ..."); the checkpoint writer raises the file system's OSError instead."""
+    c = _write_two(tmp_path)
+    real_open = open
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r", *a, **kw: (
+        _Capped(real_open(path, mode, *a, **kw), 5000) if mode == "wb" else real_open(path, mode, *a, **kw)),
+        raising=False)
+    with pytest.raises(OSError) as err:
+        checkpoint.write(str(tmp_path), 6, c, {"w": torch.ones(50_000)}, {}, MetricsLog().table(), keep=2)
+    assert err.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["round-000002", "round-000004"]
+
+
 # ---------------------------------------------------------------- a real run resumed
 
 @pytest.fixture(scope="module")
