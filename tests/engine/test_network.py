@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -184,3 +185,37 @@ def test_joining_a_cluster_asks_for_token_authentication(monkeypatch):
         with cluster.ray_session("10.0.0.1:6379"):
             pass
     assert modes == ["token", "disabled"]
+
+
+@pytest.mark.parametrize("user_token", [None, "f" * 64])
+def test_a_local_ray_is_started_with_token_auth_set_by_raysim(monkeypatch, user_token):
+    """Ray 2.60 would turn token mode on by itself for a new local instance; raysim must not rely
+    on that: RAY_AUTH_MODE=token and a token are in force *before* ray.init runs, the user's own
+    token is kept, and the node address is held at loopback while ray.init runs. (ray.init is
+    faked: this checks what raysim hands Ray; the session's real instance is checked above.)"""
+    import ray
+    from ray._private import ray_constants
+    from ray._private.authentication import authentication_token_setup
+
+    from raysim.runtime import cluster
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs, mode=os.environ.get("RAY_AUTH_MODE"), token=os.environ.get("RAY_AUTH_TOKEN"),
+                    cluster_mode=ray_constants.ENABLE_RAY_CLUSTER)
+
+    # the real _token_auth runs, but Ray's config of this process (the session's Ray) is left alone
+    monkeypatch.setattr(authentication_token_setup, "Config", SimpleNamespace(initialize=lambda *_: None))
+    monkeypatch.setattr(ray, "init", fake_init)
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    if user_token:
+        monkeypatch.setenv("RAY_AUTH_TOKEN", user_token)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    cluster.start_local_ray(num_cpus=1)
+    assert seen["mode"] == "token"
+    assert seen["token"] == user_token if user_token else len(seen["token"]) == 64 and seen["token"] != "f" * 64
+    assert seen["_node_ip_address"] == "127.0.0.1" and seen["dashboard_host"] == "127.0.0.1"
+    assert seen["include_dashboard"] is False and seen["cluster_mode"] is False
+    assert ray_constants.ENABLE_RAY_CLUSTER == before  # restored after ray.init
