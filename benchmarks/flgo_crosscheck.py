@@ -281,7 +281,7 @@ def weights_check(py: str, config: str, methods: list[str], seed: int, rounds: i
         if base not in cache:
             cache[base] = raysim_weights(config, base, seed, rounds, os.path.join(wdir, f"raysim-{base}"), threads)
         a = cache[base]
-        b = torch.load(flgo_w)["server"]
+        b = torch.load(flgo_w, weights_only=True)["server"]
         diffs = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a
                  if a[k].is_floating_point() and a[k].numel()}
         worst = max(diffs, key=diffs.get)

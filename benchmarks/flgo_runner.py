@@ -194,7 +194,7 @@ def run(spec: dict) -> dict:
         _ARRAYS.clear()
         _ARRAYS.update({k: z[k] for k in z.files})
     _INIT.clear()
-    _INIT.update(torch.load(spec["init"], map_location="cpu")[spec.get("init_of", spec["method"])])
+    _INIT.update(torch.load(spec["init"], map_location="cpu", weights_only=True)[spec.get("init_of", spec["method"])])
     torch.set_num_threads(int(spec.get("threads", 1)))
 
     _benchmark_module()

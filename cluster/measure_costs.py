@@ -212,8 +212,9 @@ def object_store(result: dict, k: int, personal=None) -> dict:
     """ray.put + ray.get of a host's round result, and ray.put of small per-client payloads, in a
     local Ray (1 CPU)."""
     import ray
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+
+    from raysim.runtime.cluster import start_local_ray
+    start_local_ray(num_cpus=1, log_to_driver=False)  # as `raysim run` does: loopback only, token auth
     try:
         def roundtrip():
             return ray.get(ray.put(result))

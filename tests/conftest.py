@@ -1,5 +1,7 @@
 """One Ray instance for the whole session (Ray takes ~3 s to start): 2 CPUs and one *logical*
-GPU, so fractional-GPU placement is exercised for real on a machine without a GPU."""
+GPU, so fractional-GPU placement is exercised for real on a machine without a GPU. It is started
+the way `raysim run` starts its own (raysim.runtime.cluster.start_local_ray: every process on
+127.0.0.1, token authentication on), so tests/engine/test_network.py can check a run on it."""
 import os
 
 import pytest
@@ -9,9 +11,11 @@ import pytest
 def ray_session(tmp_path_factory):
     import ray
 
+    from raysim.runtime.cluster import start_local_ray
+
     os.environ.setdefault("RAYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     if not ray.is_initialized():
-        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 logging_level="ERROR", log_to_driver=False)
+        # niceness 15: Ray's own default, which this fixture has always run its workers at
+        start_local_ray(num_cpus=2, num_gpus=1, niceness=15, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -23,6 +23,7 @@ import numpy as np
 from raysim.data.augment import make_augment
 from raysim.data.digits5 import resize_rgb
 from raysim.data.folders import require_dir, resolve_options
+from raysim.data.pickled import load_arrays
 from raysim.data.splits import ArraySplit, MultiDomainDataset, resolve_normalization
 from raysim.errors import UserError
 
@@ -66,7 +67,7 @@ def _load_pkl(path: Path):
     if not path.is_file():
         raise UserError(f"digits5_real: {path} does not exist (FedBN layout: <DOMAIN>/train.pkl, test.pkl)")
     try:
-        x, y = np.load(path, allow_pickle=True)
+        x, y = load_arrays(path)  # numpy arrays only: a pickle naming anything else is refused
     except Exception as e:
         raise UserError(f"digits5_real: {path} is not a pickled (images, labels) pair: {e}") from None
     return _images(x, str(path)), _labels(y, str(path))

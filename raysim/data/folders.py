@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from raysim.data.augment import make_augment
+from raysim.data.pickled import load_arrays
 from raysim.data.splits import (ALL, SPLITS, FileSplit, MultiDomainDataset, resolve_normalization,
                                 stratified_carve)
 from raysim.errors import UserError
@@ -348,8 +349,7 @@ OFFICE_CALTECH_PRESETS = {
 
 def _read_pickle_pair(path: Path):
     try:
-        obj = np.load(path, allow_pickle=True)
-        a, b = obj
+        a, b = load_arrays(path)  # numpy arrays only: a pickle naming anything else is refused
     except Exception as e:
         raise UserError(f"{path} is not a pickled (paths, labels) pair as FedBN writes ({e})") from None
     return list(a), list(b)

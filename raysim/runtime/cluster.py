@@ -1,9 +1,12 @@
 """Joining Ray and placing the host pool on it.
 
-Locally raysim starts its own Ray instance (dashboard off, bound to 127.0.0.1); with
-``--address``/``RAY_ADDRESS`` it joins an existing cluster and never assumes a single node. The
-pool is reserved as one placement group, so a federation either gets all its hosts or fails
-fast with the resources it is missing (a group that cannot be placed would otherwise wait forever).
+Locally raysim starts its own Ray instance that only this machine can reach: every Ray process
+(GCS, raylet, the agents, the driver, every actor) listens on 127.0.0.1, the dashboard is off,
+and Ray's token authentication is on (:func:`start_local_ray`). With ``--address``/``RAY_ADDRESS``
+it joins an existing cluster with token authentication on too, unless ``RAY_AUTH_MODE`` says
+otherwise, and never assumes a single node. The pool is reserved as one placement group, so a
+federation either gets all its hosts or fails fast with the resources it is missing (a group that
+cannot be placed would otherwise wait forever).
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from raysim.errors import TrainingDiverged, UserError
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
 
+LOOPBACK = "127.0.0.1"
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None, runtime=None):
     import ray
@@ -25,21 +31,77 @@ def ray_session(address: str | None, runtime=None):
         yield
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    kwargs = dict(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
-                  configure_logging=True)
     if address:
-        try:
-            ray.init(address=address, **kwargs)
-        except (ConnectionError, ValueError, RuntimeError) as err:
-            raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+        join_cluster(address)
     else:
-        niceness = runtime.worker_niceness if runtime is not None else 0
-        ray.init(num_cpus=os.cpu_count(), _node_ip_address="127.0.0.1",
-                 _system_config={"worker_niceness": int(niceness)}, **kwargs)
+        start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
+                    log_to_driver: bool = True) -> None:
+    """Start this process's own Ray instance, reachable from this machine only.
+
+    * Loopback only. Ray 2.60 turns a node address of 127.0.0.1 into the machine's network
+      address (``services.resolve_ip_for_localhost``) unless ``ray_constants.ENABLE_RAY_CLUSTER``
+      is off, and its gRPC servers (GCS, raylet, every worker) bind all interfaces for any node
+      address that is not loopback; so the node address is kept at 127.0.0.1 while ray.init runs,
+      and every process, the runtime-env agent included, then listens on 127.0.0.1 alone.
+    * Token authentication (``RAY_AUTH_MODE=token``), set here rather than left to Ray's default;
+      without a token of the user's (``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH``) the instance gets
+      a random one in this process's environment, which Ray's processes inherit (nothing is
+      written to ~/.ray).
+    * No dashboard; its host stays loopback should it ever start.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _token_auth()
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 as the node address (see above)
+    try:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+                 dashboard_host=LOOPBACK, _system_config={"worker_niceness": int(niceness)},
+                 logging_level=logging.ERROR, log_to_driver=log_to_driver, configure_logging=True)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+
+
+def join_cluster(address: str) -> None:
+    """Connect to the Ray cluster at ``address`` with token authentication on, unless
+    ``RAY_AUTH_MODE`` is set (then it is the cluster's own setting, e.g. ``disabled``)."""
+    import ray
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        _token_auth()
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
+                 configure_logging=True)
+    except ray.exceptions.AuthenticationError as err:
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).split('. ')[0]}; raysim joins "
+                        "with token authentication: give the cluster's token in RAY_AUTH_TOKEN_PATH, "
+                        "RAY_AUTH_TOKEN or ~/.ray/auth_token (or set RAY_AUTH_MODE=disabled for a cluster "
+                        "without authentication)") from None
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+
+
+def _token_auth() -> None:
+    """RAY_AUTH_MODE=token for this process and every process it starts; Ray reads its mode
+    once, so its cached config is refreshed the way Ray does it itself, and a token it may have
+    cached is dropped so the one in force now is read."""
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    _enable_token_auth()
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def check_resources(cfg, num_hosts: int) -> None:

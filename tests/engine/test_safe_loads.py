@@ -1,0 +1,165 @@
+"""No load in the repository (tests included) can run code: no ``allow_pickle=True``, every
+``torch.load`` with ``weights_only=True``, and the pickled dataset files (FedBN's releases) read
+by an unpickler that builds numpy arrays only."""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raysim.data.pickled import load_arrays
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_BYTES = 2_000_000  # source and docs; a data file or a run's output is skipped
+
+
+def _files():
+    """Every file of the repository (tests and docs included), without hidden folders (.git, the
+    .venv `make` creates), caches, or the symlinks raysim/methods and raysim/tuning (os.walk does
+    not follow them: their targets are scanned under their own names)."""
+    for folder, dirs, names in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for name in names:
+            path = Path(folder) / name
+            if not path.is_symlink() and path.stat().st_size <= MAX_BYTES:
+                yield path
+
+
+def _is_true(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+_TORCH = ("torch", "torch.serialization")
+
+
+def unsafe_calls(source: str, where: str) -> list[str]:
+    """``np.load``-style calls with ``allow_pickle`` not literally False, ``torch.load`` (or
+    ``torch.serialization.load``) calls without ``weights_only=True``, and ``load`` imported from
+    torch by name (its calls would not say whose load they are)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module in _TORCH and any(a.name == "load" for a in node.names):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:80]}")
+        if not isinstance(node, ast.Call):
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        if "allow_pickle" in kw and not (isinstance(kw["allow_pickle"], ast.Constant)
+                                         and kw["allow_pickle"].value is False):
+            found.append(f"{where}:{node.lineno}: allow_pickle={ast.unparse(kw['allow_pickle'])}")
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr == "load" and ast.unparse(f.value) in _TORCH
+                and not _is_true(kw.get("weights_only"))):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+_TEXT_ALLOW = re.compile(r"allow_pickle\s*=\s*True")
+_TEXT_TORCH = re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)")
+_CANDIDATE = re.compile(r"allow_pickle|torch\s*\.\s*load|from\s+torch\s+import[^\n]*\bload\b")
+
+
+def test_no_load_in_the_repository_can_run_code():
+    found, scanned = [], 0
+    for path in _files():
+        rel = path.relative_to(REPO)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        scanned += 1
+        if path.suffix == ".py":
+            if _CANDIDATE.search(text):  # parsing only these keeps the scan fast
+                found += unsafe_calls(text, str(rel))
+        else:  # shell, YAML, Dockerfile, docs: a plain search
+            for no, line in enumerate(text.splitlines(), 1):
+                if _TEXT_ALLOW.search(line) or _TEXT_TORCH.search(line):
+                    found.append(f"{rel}:{no}: {line.strip()[:80]}")
+    assert scanned > 100
+    assert not found, "loads that can run code:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "x = np.load(p, allow_pickle=True)",
+    "x = numpy.load(p, mmap_mode='r', allow_pickle=flag)",
+    "s = torch.load(p)",
+    "s = torch.load(p, map_location='cpu', weights_only=False)",
+    "s = torch.load(\n    p,\n    map_location='cpu',\n)",
+    "s = torch.serialization.load(p)",
+    "from torch import load",
+])
+def test_the_scan_catches_unsafe_loads(line):
+    assert unsafe_calls(line, "x.py")
+
+
+@pytest.mark.parametrize("line", [
+    "x = np.load(p)", "x = np.load(p, allow_pickle=False)",
+    "s = torch.load(p, weights_only=True)", "s = torch.load(\n    p,\n    weights_only=True,\n)",
+])
+def test_the_scan_passes_safe_loads(line):
+    assert not unsafe_calls(line, "x.py")
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_pickled_arrays_load_as_fedbn_writes_them(tmp_path, protocol):
+    images = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    labels = np.array([3, 7])
+    paths = np.array(["amazon/mug/1.jpg", "amazon/bike/2.jpg"])
+    names = np.array(["mug", "bike"], dtype=object)
+    path = tmp_path / "train.pkl"
+    path.write_bytes(pickle.dumps((images, labels, paths, names, np.int64(5)), protocol=protocol))
+    x, y, p, n, k = load_arrays(path)
+    assert np.array_equal(x, images) and x.dtype == np.uint8 and np.array_equal(y, labels)
+    assert list(p) == list(paths) and list(n) == ["mug", "bike"] and k == 5
+
+
+def test_npy_files_load_with_or_without_objects(tmp_path):
+    np.save(tmp_path / "plain.npy", np.arange(6).reshape(2, 3))
+    assert np.array_equal(load_arrays(tmp_path / "plain.npy"), np.arange(6).reshape(2, 3))
+    pair = np.empty(2, dtype=object)
+    pair[0], pair[1] = np.ones((2, 2), np.uint8), np.array([1, 2])
+    np.save(tmp_path / "pair.npy", pair)  # how np.save stores an (images, labels) pair (it pickles by default)
+    x, y = load_arrays(tmp_path / "pair.npy")
+    assert np.array_equal(x, np.ones((2, 2), np.uint8)) and np.array_equal(y, [1, 2])
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("container", ["top", "inside_an_object_array"])
+def test_a_pickle_that_would_run_code_is_refused_before_it_runs(tmp_path, container):
+    marker = str(tmp_path / "ran")
+    payload = _RunsCode(marker)
+    if container == "top":
+        data = pickle.dumps((np.zeros(2), payload))
+    else:
+        arr = np.empty(1, dtype=object)
+        arr[0] = payload
+        data = pickle.dumps((arr, np.zeros(2)))
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(data)
+    with pytest.raises(pickle.UnpicklingError, match=r"names posix\.mkdir; only numpy arrays"):
+        load_arrays(path)
+    assert not os.path.exists(marker)
+    pickle.loads(data)  # what the loaders' np.load with pickles allowed did before: it runs the payload
+    assert os.path.exists(marker)
+
+
+def test_the_dataset_loaders_refuse_a_pickle_that_would_run_code(tmp_path):
+    from raysim.data.digits5_real import _load_pkl
+    from raysim.errors import UserError
+
+    marker = str(tmp_path / "ran")
+    (tmp_path / "train.pkl").write_bytes(pickle.dumps((np.zeros((2, 28, 28), np.uint8), _RunsCode(marker))))
+    with pytest.raises(UserError, match="is not a pickled .* only numpy arrays are read"):
+        _load_pkl(tmp_path / "train.pkl")
+    assert not os.path.exists(marker)
