@@ -5,8 +5,9 @@ A method declares its aggregator (``Method.aggregator``) and its server step (``
 receives what the aggregator reduced to:
 
 * :class:`WeightedMean` (FedAvg and most methods) -> :class:`Mean`: the weight-weighted mean of
-  the round's uploaded tensors, summed in float64 on each host (a float32 value times an integer
-  weight is exact in float64), so 1 host or 8 give the same float32 result; plus every client's
+  the round's uploaded tensors, summed in float64 on each host, on the uploads' device (a float32
+  value times an integer weight is exact in float64), so 1 host or 8 give the same float32 result;
+  the sums leave the device once per host per round (:meth:`Aggregator.leave_device`); plus every client's
   ``extras`` (small non-model statistics such as class prototypes) by client id.
 * :class:`KeepAll` (FDSE, CSAC, DapperFL) -> :class:`AllUploads`: every client's upload.
 
@@ -50,12 +51,12 @@ def accumulate(sums: dict[str, torch.Tensor], tensors: Tensors, weight: float, k
     """``sums[k] += weight * tensors[k]`` in float64 on the tensors' own device (a GPU host's
     uploads are summed on the GPU: nothing per client crosses to the CPU).
 
-    The first tensor starts its sum as ``t * w`` in float64 (exactly today's first term, -0.0
-    included). Each later one is added with one fused ``add_(t, alpha=w)`` where that is provably
+    The first tensor starts its sum as ``t * w`` in float64 (a copy times w: -0.0 stays -0.0). Each later one is added with one fused ``add_(t, alpha=w)`` where that is provably
     the same as the rounded product then the rounded sum (:func:`exact_product`: a float32 upload
     times an integer weight) or the device is not the CPU; otherwise (a fractional weight on the
     CPU, where the fused kernel's FMA rounds once instead of twice) as a float64 product then a
-    sum, so CPU sums stay bit for bit what they were."""
+    sum: CPU sums are bit for bit those of the float64 product then sum
+    (``tests/engine/test_device_hot_path.py``)."""
     weight = float(weight)
     for k in (tensors if keys is None else keys):
         t = tensors[k].detach()
