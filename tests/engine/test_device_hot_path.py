@@ -150,3 +150,45 @@ def test_a_client_step_on_the_accelerator_moves_per_host_what_is_per_host(monkey
                 assert per_host(r) == {"payload": 1, "partial": 1}, r
                 assert r["tensors"]["payload"] == len(host.method.init_server(host.model)["global"])
             assert set(devices(host._init_sd).values()) == {"accelerator"}  # the initial model lives there
+
+
+# ----------------------------------------------------------------------------- device-resident state
+
+def test_client_state_stays_on_the_device_within_its_budget_then_spills_to_memory_and_disk(tmp_path):
+    """runtime.device_state_mb: what a step copies with ``cpu_copy`` stays on the device; the least
+    recently used beyond the budget moves to CPU memory (one move), beyond that to disk."""
+    with warnings.catch_warnings(), simulated_accelerator() as device:
+        warnings.simplefilter("ignore")
+        store = ClientStateStore(memory_budget_bytes=2 * (400 + 128), spill_dir=str(tmp_path),
+                                 device_budget_bytes=2 * (400 + 128))
+        kept = {}
+        for cid in range(5):
+            with keep_state_on(device):
+                kept[cid] = {"personal": cpu_copy({"w": torch.full((100,), float(cid)).to(device)})}
+            store.put(cid, kept[cid])
+        where = {cid: set(devices(store.get(cid)).values()) for cid in (4, 3)}
+        assert where == {4: {"accelerator"}, 3: {"accelerator"}}
+        assert store.bytes_on_device <= store.device_budget and store.spills >= 1
+        for cid in range(5):
+            got = store.get(cid)
+            assert float(got["personal"]["w"][0]) == cid  # the values, wherever they were kept
+        assert set(devices(dict(store.items())).values()) == {"cpu"}  # checkpoints read CPU tensors
+    with keep_state_on(None):  # the default: the CPU
+        assert devices(cpu_copy({"w": torch.ones(2)})) == {"/w": "cpu"}
+
+
+def test_keep_all_copies_uploads_to_the_cpu_and_weighted_mean_sums_on_the_device():
+    with warnings.catch_warnings(), simulated_accelerator() as device:
+        warnings.simplefilter("ignore")
+        ups = [Upload({"w": torch.full((3,), float(i)).to(device)}, weight=i + 1.0) for i in range(4)]
+        mean, keep = WeightedMean(), KeepAll()
+        pm, pk = mean.start(), keep.start()
+        for i, up in enumerate(ups):
+            mean.add(pm, i, up)
+            keep.add(pk, i, up)
+        assert set(devices(pm.sums).values()) == {"accelerator"} \
+            and set(devices({i: u.tensors for i, u in pk.items()}).values()) == {"cpu"}
+        TRANSFERS.reset()
+        out = mean.leave_device(pm)
+        assert TRANSFERS.calls == {"partial": 1} and set(devices(out.sums).values()) == {"cpu"}
+        assert torch.equal(mean.reduce([out]).mean["w"], torch.full((3,), 2.0))  # (1*0+2*1+3*2+4*3)/10
