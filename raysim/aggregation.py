@@ -5,8 +5,9 @@ A method declares its aggregator (``Method.aggregator``) and its server step (``
 receives what the aggregator reduced to:
 
 * :class:`WeightedMean` (FedAvg and most methods) -> :class:`Mean`: the weight-weighted mean of
-  the round's uploaded tensors, summed in float64 on each host (a float32 value times an integer
-  weight is exact in float64), so 1 host or 8 give the same float32 result; plus every client's
+  the round's uploaded tensors, summed in float64 on each host, on the uploads' device (a float32
+  value times an integer weight is exact in float64), so 1 host or 8 give the same float32 result;
+  the sums leave the device once per host per round (:meth:`Aggregator.leave_device`); plus every client's
   ``extras`` (small non-model statistics such as class prototypes) by client id.
 * :class:`KeepAll` (FDSE, CSAC, DapperFL) -> :class:`AllUploads`: every client's upload.
 
@@ -16,26 +17,59 @@ receives what the aggregator reduced to:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
-from raysim.tensors import Tensors
+from raysim.tensors import Tensors, to_device, wait_for
 
 
 # ----------------------------------------------------------------------------- the weighted mean
 
+_NARROW = (torch.float32, torch.float16, torch.bfloat16)  # significands of at most 24 bits
+
+
+def exact_product(dtype: torch.dtype, weight: float) -> bool:
+    """Whether every ``dtype`` value times ``weight`` is exact in float64: a significand of at
+    most 24 bits times one of at most 29 bits fits float64's 53 (an integer weight up to 2^29,
+    n_k or 1.0, always does; 0.1 does not). Then one fused multiply-add rounds exactly like a
+    rounded product followed by a rounded sum: the product has nothing to round."""
+    if dtype not in _NARROW or not math.isfinite(weight):
+        return False
+    if weight == 0.0:
+        return True
+    mantissa, exponent = math.frexp(abs(weight))
+    if not -800 < exponent < 800:  # far from float64's overflow and subnormals
+        return False
+    bits = int(mantissa * 2**53)
+    return 53 - ((bits & -bits).bit_length() - 1) <= 29
+
+
 def accumulate(sums: dict[str, torch.Tensor], tensors: Tensors, weight: float, keys=None) -> None:
-    """``sums[k] += weight * tensors[k]`` in float64 on the CPU: one float64 copy per tensor,
-    multiplied and added in place (the same two roundings as ``sums + t * w``, a third of the
-    allocations: for a small model this was half of a client's cost beyond its training)."""
+    """``sums[k] += weight * tensors[k]`` in float64 on the tensors' own device (a GPU host's
+    uploads are summed on the GPU: nothing per client crosses to the CPU).
+
+    The first tensor starts its sum as ``t * w`` in float64 (a copy times w: -0.0 stays -0.0). Each later one is added with one fused ``add_(t, alpha=w)`` where that is provably
+    the same as the rounded product then the rounded sum (:func:`exact_product`: a float32 upload
+    times an integer weight) or the device is not the CPU; otherwise (a fractional weight on the
+    CPU, where the fused kernel's FMA rounds once instead of twice) as a float64 product then a
+    sum: CPU sums are bit for bit those of the float64 product then sum
+    (``tests/engine/test_device_hot_path.py``)."""
+    weight = float(weight)
     for k in (tensors if keys is None else keys):
-        v = tensors[k].detach().to("cpu", torch.float64, copy=True).mul_(float(weight))
-        if k in sums:
-            sums[k].add_(v)
+        t = tensors[k].detach()
+        s = sums.get(k)
+        if s is None:
+            sums[k] = t.to(torch.float64, copy=True).mul_(weight)
+            continue
+        if t.device != s.device:
+            t = to_device(t, s.device, what="accumulate")
+        if t.is_floating_point() and (t.device.type != "cpu" or exact_product(t.dtype, weight)):
+            s.add_(t, alpha=weight)
         else:
-            sums[k] = v
+            s.add_(t.to(torch.float64, copy=True).mul_(weight))
 
 
 def cast_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,6 +141,11 @@ class Aggregator:
     def reduce(self, partials: list):
         raise NotImplementedError
 
+    def leave_device(self, partial):
+        """The host's partial as it leaves the host, on the CPU (the server reduces on the CPU):
+        one device-to-CPU transfer per host per round; the partial itself on a CPU host."""
+        return to_device(partial, "cpu", what="partial")
+
 
 @dataclass
 class MeanPartial:
@@ -132,6 +171,12 @@ class WeightedMean(Aggregator):
         if upload.extras:
             partial.extras[client_id] = upload.extras
 
+    def leave_device(self, partial: MeanPartial) -> MeanPartial:
+        """The float64 sums (on the uploads' device during the round) and the clients' extras to
+        the CPU in one move."""
+        moved = to_device({"sums": partial.sums, "extras": partial.extras}, "cpu", what="partial")
+        return dataclasses.replace(partial, sums=moved["sums"], extras=moved["extras"])
+
     def reduce(self, partials: list[MeanPartial]) -> Mean:
         sums: dict[str, torch.Tensor] = {}
         dtypes: dict[str, torch.dtype] = {}
@@ -152,8 +197,16 @@ class KeepAll(Aggregator):
         return {}
 
     def add(self, partial: dict, client_id: int, upload) -> None:
+        """A CPU copy of the upload (its tensors are the model's, which the next client overwrites):
+        on a GPU host a non-blocking copy into pinned memory, so the next client starts at once
+        (the device's stream orders it before that client's writes)."""
         partial[client_id] = dataclasses.replace(
-            upload, tensors={k: v.detach().cpu().clone() for k, v in upload.tensors.items()})
+            upload, tensors=to_device(upload.tensors, "cpu", what="upload", copy=True, non_blocking=True))
+
+    def leave_device(self, partial: dict) -> dict:
+        """Every upload is on the CPU already: wait for the copies still in flight."""
+        wait_for(partial)
+        return partial
 
     def reduce(self, partials: list[dict]) -> AllUploads:
         return AllUploads(dict(sorted(((c, u) for p in partials for c, u in p.items()), key=lambda cu: cu[0])))

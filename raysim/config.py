@@ -86,6 +86,8 @@ class RuntimeConfig:
     state_memory_mb: float = setting(4096.0, ge=0)  # per host; idle clients' state beyond this spills to disk
     # per host: clients' data kept on its GPU once loaded, batches cut there (0: off; no effect on CPU)
     device_data_mb: float = setting(0.0, ge=0)
+    # per host: clients' stored state kept on its GPU between rounds, LRU beyond it to CPU memory then disk (0: off)
+    device_state_mb: float = setting(0.0, ge=0)
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0

@@ -14,6 +14,28 @@ bottom it is the paper's algorithm box:
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
 client, keeps ``ctx.state`` for that client between rounds (spilling it to disk when idle), folds
 the uploads with the method's aggregator and hands the result to ``aggregate``.
+
+Placement (where tensors live; on a CPU host everything is on the CPU and nothing moves):
+
+* between rounds, the server's state, and every client's state (``ctx.state``, and the model it
+  left training for ``eval.point: post_train``), are on the CPU (:func:`raysim.tensors.cpu_copy`):
+  a host holds many clients, spills idle ones to disk and hands them to other hosts. With
+  ``runtime.device_state_mb`` a GPU host keeps what a client step copied with ``cpu_copy`` on its
+  device instead, up to that budget, the least recently used moving to CPU memory, then disk;
+* during a round, the payload is on the host's device, moved there once per round per host (not
+  per client) and loaded into each client's model device to device; the host's model and its
+  initial state live there too;
+* a client's upload stays on the device until the aggregator folds it:
+  :class:`~raysim.aggregation.WeightedMean` sums on the device in float64,
+  :class:`~raysim.aggregation.KeepAll` copies it to (pinned) CPU memory without waiting; the
+  host's partial result leaves the device in one move per round, and the server reduces on the
+  CPU.
+
+Every move of tensors the engine makes between CPU and device memory (the data batches aside:
+:mod:`raysim.runtime.clientdata`, ``runtime.device_data_mb``) goes through
+:func:`raysim.tensors.to_device`, which counts them (``tests/engine/test_device_hot_path.py``:
+per host, not per client);
+``tests/methods/test_placement.py`` checks every method against this rule.
 """
 from __future__ import annotations
 
@@ -88,8 +110,8 @@ class ClientContext:
     domain: str
     round: int  # 1-based
     model: nn.Module  # shared tensors from the payload and personal tensors from ``state`` loaded
-    payload: dict  # the round's broadcast (plus this client's personal payload, under "personal")
-    state: dict  # persists across rounds on the client's host (tensors on the CPU); the method owns its keys
+    payload: dict  # the round's broadcast (plus this client's personal payload, under "personal"), on ``device``
+    state: dict  # persists across rounds on the client's host (tensors on the CPU: placement rule above); the method owns its keys
     data: ClientData
     train: Any  # TrainConfig
     lr: float  # this round's learning rate (after lr_decay)

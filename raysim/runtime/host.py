@@ -26,7 +26,7 @@ from raysim.runtime.compute import ComputeMeter
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore, state_nbytes
-from raysim.tensors import tensors_nbytes
+from raysim.tensors import keep_state_on, tensors_nbytes, to_device
 from raysim.training import evaluate
 
 
@@ -105,7 +105,10 @@ class ClientHost:
             for cid in self.client_ids:
                 self.data[cid]
         spill = os.path.join(rt.spill_dir, f"host-{host_id}") if rt.spill_dir else None
-        self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill)
+        # runtime.device_state_mb: clients' stored state kept on the GPU between rounds (0, or on CPU: none)
+        self._state_device = self.device if self.device.type != "cpu" and rt.device_state_mb > 0 else None
+        self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill,
+                                      device_budget_bytes=rt.device_state_mb * 2**20 if self._state_device else 0)
         self._partial = None  # the round's running result (train_clients .. end_round)
         return self.ready()
 
@@ -164,21 +167,24 @@ class ClientHost:
             moved = ray.get(moved_records[0]) if _is_ref(moved_records[0]) else (moved_records[0] or {})
         out: dict = {"host": self.host_id, "state_bytes": {}, "records": {}}
         for cid in sorted(client_ids):
-            mine = _client_payload(part["payload"], personal_boxes.get(cid))
+            mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
             if self._clocked:
                 foot = self.method.client_footprint(cid, self._dense)
                 if not fits_memory(self.fed.profile(cid), foot["params"]):  # it cannot train this model
                     part["metrics"][cid] = {"completed": 0.0, "dropped_memory": 1.0}
                     continue
-            record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
-            self.method.load_client_model(self.model, mine, record["state"])
-            ctx = self._context(cid, rnd, mine, record["state"])
-            with ComputeMeter() if self._clocked else nullcontext() as meter, \
-                    dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
-                up = self.method.local_update(ctx)
-            record = {"state": ctx.state}
-            if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
-                record["trained"] = self.method.post_train_state(ctx)
+            # what the step keeps (cpu_copy) stays on the device within runtime.device_state_mb,
+            # unless the record goes back to its owner host (work stealing)
+            with keep_state_on(self._state_device if moved is None else None):
+                record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
+                self.method.load_client_model(self.model, mine, record["state"])
+                ctx = self._context(cid, rnd, mine, record["state"])
+                with ComputeMeter() if self._clocked else nullcontext() as meter, \
+                        dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
+                    up = self.method.local_update(ctx)
+                record = {"state": ctx.state}
+                if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
+                    record["trained"] = self.method.post_train_state(ctx)
             if moved is None:
                 self.store.put(cid, record)
             else:
@@ -199,11 +205,14 @@ class ClientHost:
         return out
 
     def _round_partial(self, rnd: int, payload_box: list) -> dict:
-        """The host's running result of round ``rnd`` (begun by its first :meth:`train_clients`)."""
+        """The host's running result of round ``rnd`` (begun by its first :meth:`train_clients`).
+        The round's payload goes to the host's device here, once per round: every client's model
+        is loaded from that copy, device to device."""
         part = self._partial
         if part is None or part["round"] != rnd:
             import ray
             payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
+            payload = to_device(payload, self.device, what="payload")
             part = self._partial = self._new_partial(rnd, payload, gather_personal=bool(self._personal_keys))
         return part
 
@@ -221,7 +230,10 @@ class ClientHost:
             part = self._new_partial(rnd, None, gather_personal=False)
         eval_bytes = part["clients"] * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
                                            for k in self._personal_keys)
-        return {"host": self.host_id, "partial": part["partial"], "personal": part["personal"],
+        # one device-to-CPU transfer of the host's result (the server reduces on the CPU)
+        partial = self.method.aggregator.leave_device(part["partial"])
+        personal = None if part["personal"] is None else WeightedMean().leave_device(part["personal"])
+        return {"host": self.host_id, "partial": partial, "personal": personal,
                 "metrics": part["metrics"], "bytes_up": part["bytes_up"], "bytes_up_eval": eval_bytes,
                 "seconds": part["seconds"]}
 
@@ -231,7 +243,7 @@ class ClientHost:
         for cid in client_ids:
             record = self.store.get(cid)
             if record is not None:
-                out[cid] = record
+                out[cid] = to_device(record, "cpu", what="state")  # as it travels: on the CPU
         return out
 
     def _clock(self, cid: int, macs: float, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
@@ -253,6 +265,7 @@ class ClientHost:
         its data (``Method.adapt_to_unseen``), and before it as split ``<split>_unadapted``."""
         import ray
         payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
+        payload = to_device(payload, self.device, what="payload")  # once per evaluation, as in a round
         personal_boxes = personal_boxes or {}
         out = {}
         if protocol == "personalized":
@@ -262,7 +275,7 @@ class ClientHost:
                     self.model.load_state_dict(record["trained"])
                     model = self.model
                 else:  # "received", and clients not trained yet
-                    mine = _client_payload(payload, personal_boxes.get(cid))
+                    mine = _client_payload(payload, personal_boxes.get(cid), self.device)
                     model = self.method.eval_model(self.model, mine, record["state"])
                 out[cid] = self._scores(model, cid, requests[cid])
             return out
@@ -319,16 +332,18 @@ class ClientHost:
         import resource
         return {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "state_mb": self.store.bytes_in_memory / 2**20, "spills": self.store.spills,
+                "device_state_mb": self.store.bytes_on_device / 2**20,
                 "device_data_mb": self.device_budget.used / 2**20 if self.device_budget else 0.0,
                 "clients_with_state": len(self.store)}
 
 
-def _client_payload(payload: dict, personal) -> dict:
+def _client_payload(payload: dict, personal, device) -> dict:
+    """The round's payload (on the device already) plus this client's own part, moved there."""
     if personal is None:
         return payload
     import ray
     personal = ray.get(personal) if _is_ref(personal) else personal
-    return {**payload, "personal": personal}
+    return {**payload, "personal": to_device(personal, device, what="personal")}
 
 
 def _is_ref(x) -> bool:

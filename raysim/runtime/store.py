@@ -13,6 +13,11 @@ tensors they would cost ~6 KB of Python and allocator overhead, packed they cost
 hands back tensors that are views of the buffer (in-place updates land in the stored state, as
 they would without packing); ``put`` packs the new state. States holding anything else than
 plain CPU tensors, numbers, strings, None, lists, tuples and dicts are kept as they are.
+
+With a device budget (``runtime.device_state_mb`` on a GPU host) a state whose tensors a client
+step left on the device (:func:`raysim.tensors.keep_state_on`) stays there, the least recently
+used beyond the budget moving to CPU memory (packed) and from there to disk as above: a client
+that trains again soon loads its state device to device.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from raysim.tensors import leaves, to_device
 
 _ALIGN = 16  # every tensor starts at a multiple of the largest element size
 _LAYOUTS_MAX = 1024  # distinct state layouts shared between clients (beyond: kept per client)
@@ -128,9 +135,16 @@ def state_nbytes(obj) -> int:
     return 64
 
 
+def _on_device(state) -> bool:
+    return any(t.device.type != "cpu" for t in leaves(state))
+
+
 class ClientStateStore:
-    def __init__(self, memory_budget_bytes: float, spill_dir: str | None = None):
+    def __init__(self, memory_budget_bytes: float, spill_dir: str | None = None, device_budget_bytes: float = 0):
         self.budget = memory_budget_bytes
+        self.device_budget = device_budget_bytes
+        self._dev: OrderedDict[int, dict] = OrderedDict()  # states kept on the device, LRU order
+        self.bytes_on_device = 0
         self._mem: OrderedDict[int, dict] = OrderedDict()  # LRU order: oldest first
         self._sizes: dict[int, int] = {}
         self._on_disk: set[int] = set()
@@ -140,10 +154,10 @@ class ClientStateStore:
         self._layouts: dict = {}
 
     def __contains__(self, client_id: int) -> bool:
-        return client_id in self._mem or client_id in self._on_disk
+        return client_id in self._dev or client_id in self._mem or client_id in self._on_disk
 
     def __len__(self) -> int:
-        return len(self._mem) + len(self._on_disk)
+        return len(self._dev) + len(self._mem) + len(self._on_disk)
 
     @property
     def spill_dir(self) -> str:
@@ -156,6 +170,9 @@ class ClientStateStore:
         return os.path.join(self.spill_dir, f"client-{client_id}.pt")
 
     def get(self, client_id: int) -> dict | None:
+        if client_id in self._dev:
+            self._dev.move_to_end(client_id)
+            return self._dev[client_id]
         if client_id in self._mem:
             self._mem.move_to_end(client_id)
             state = self._mem[client_id]
@@ -170,11 +187,29 @@ class ClientStateStore:
         return None
 
     def put(self, client_id: int, state: dict) -> None:
+        if client_id in self._dev:
+            self.bytes_on_device -= self._sizes.pop(client_id)
+            del self._dev[client_id]
         if client_id in self._mem:
             self.bytes_in_memory -= self._sizes[client_id]
             del self._mem[client_id]
         self._on_disk.discard(client_id)
+        if _on_device(state):
+            size = state_nbytes(state)
+            if size <= self.device_budget:
+                self._dev[client_id], self._sizes[client_id] = state, size
+                self.bytes_on_device += size
+                while self.bytes_on_device > self.device_budget:
+                    self._to_memory_oldest()
+                return
+            state = to_device(state, "cpu", what="state")  # over the device budget by itself
         self._remember(client_id, state)
+
+    def _to_memory_oldest(self) -> None:
+        """The least recently used state on the device moves to CPU memory (one transfer)."""
+        client_id, state = self._dev.popitem(last=False)
+        self.bytes_on_device -= self._sizes.pop(client_id)
+        self._remember(client_id, to_device(state, "cpu", what="state"))
 
     def _remember(self, client_id: int, state: dict) -> None:
         size = state_nbytes(state)
@@ -199,8 +234,10 @@ class ClientStateStore:
 
     def items(self):
         """Every (client_id, state), loading spilled ones without keeping them (for checkpoints)."""
-        for cid in sorted(set(self._mem) | self._on_disk):
-            if cid in self._mem:
+        for cid in sorted(set(self._dev) | set(self._mem) | self._on_disk):
+            if cid in self._dev:  # a checkpoint and another host read CPU tensors
+                yield cid, to_device(self._dev[cid], "cpu", what="state")
+            elif cid in self._mem:
                 state = self._mem[cid]
                 yield cid, unpack(state, copy=True) if isinstance(state, Packed) else state
             else:

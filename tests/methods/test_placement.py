@@ -1,10 +1,12 @@
 """Every registered method on an accelerator, on a machine without one: its model on the simulated
 accelerator of ``accelerator.py`` (``torch.device("meta")`` with real values, a GPU's placement
-rules), the server's and the clients' tensors where the engine keeps them.
+rules), the server's and the clients' tensors where the engine keeps them: the placement rule
+written once in ``raysim/contract.py``'s module docstring.
 
 Between rounds the engine keeps the server's state and every client's state (and the model a
-client leaves training, for ``eval.point: post_train``) on the CPU: a host holds many clients,
-spills idle ones to disk and hands them to other hosts. So ``init_server``, ``broadcast``,
+client leaves training, for ``eval.point: post_train``) on the CPU (``runtime.device_state_mb`` at
+its default 0); during a round the payload is on the host's device, moved there once per round as
+the host does (``raysim.tensors.to_device``). So ``init_server``, ``broadcast``,
 ``init_client_state`` and two rounds of ``local_update`` (the second one from the state the first
 left) must neither mix a CPU tensor into the device's arithmetic (a GPU host would crash) nor leave
 a device tensor in what is kept. A method added later is covered by being registered."""
@@ -19,6 +21,7 @@ from raysim.contract import ClientContext
 from raysim.methods import registry
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
+from raysim.tensors import to_device
 
 TINY = {
     "seed": 3,
@@ -55,6 +58,7 @@ def test_method_keeps_its_state_on_the_cpu_when_it_trains_on_an_accelerator(meth
         payload = m.broadcast(server, 1)
         state = m.init_client_state(0, model)
         assert not not_on_cpu(server=server, payload=payload, state=state)
+        payload = to_device(payload, device, what="payload")  # as the host does, once per round
         for rnd in (1, 2):
             m.load_client_model(model, payload, state)
             ctx = ClientContext(client_id=0, domain=fed.domain(0), round=rnd, model=model, payload=payload,
