@@ -86,6 +86,11 @@ class RuntimeConfig:
     state_memory_mb: float = setting(4096.0, ge=0)  # per host; idle clients' state beyond this spills to disk
     # per host: clients' data kept on its GPU once loaded, batches cut there (0: off; no effect on CPU)
     device_data_mb: float = setting(0.0, ge=0)
+    # deterministic kernels on every host and the server (raysim.runtime.determinism): torch's
+    # use_deterministic_algorithms, cuDNN deterministic (no autotuning), CUBLAS_WORKSPACE_CONFIG set
+    # before CUDA starts, so a GPU run repeats bit for bit; an operation without a deterministic
+    # kernel stops the run with a one-line error naming it. CPU kernels are deterministic either way
+    deterministic: bool = False
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0
