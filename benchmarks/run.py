@@ -731,10 +731,16 @@ def device_main(ns, out: str) -> int:
 
 
 def gpu_name(device: str) -> str:
+    """", <GPU model>" on cuda, from nvidia-smi (the driver process never opens a CUDA context)."""
     if device != "cuda":
         return ""
-    import torch
-    return f", {torch.cuda.get_device_name(0)}"
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        names = [line.strip() for line in r.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    return f", {'; '.join(names)}" if names else ", GPU (nvidia-smi not found)"
 
 
 # ----------------------------------------------------------------------------- output
