@@ -331,10 +331,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--native", action="store_true",
                    help="pfl's stock FedAvg (float32 differences, central SGD lr 1.0): not bit-identical")
+    p.add_argument("--device", default="cpu",
+                   help="pfl's torch device (PFL_PYTORCH_DEVICE) with one worker: cpu (default) or cuda")
     ns = p.parse_args(argv)
     if ns.workers > 1 and RANK_ENV not in os.environ:
         return launch(ns, argv)
-    os.environ.setdefault("PFL_PYTORCH_DEVICE", "cpu")
+    os.environ.setdefault("PFL_PYTORCH_DEVICE", ns.device)
     os.environ.setdefault(T0_ENV, repr(time.time()))
     with open(ns.spec, encoding="utf-8") as fh:
         spec = json.load(fh)

@@ -19,7 +19,14 @@ The functions here take a *spec*, a JSON-able dict (see ``benchmarks/workloads.p
 Flower client (which runs in another virtual environment, without raysim's config layer) can
 reuse them. Run as a script it trains one spec and writes its timings and final weights:
 
-    python benchmarks/plain.py SPEC.json OUT_DIR --threads 2
+    python benchmarks/plain.py SPEC.json OUT_DIR --threads 2 [--device cuda] [--deterministic]
+
+On a GPU (``--device cuda``) the model, the global weights and the float64 sums live on the
+device, each batch is made on the CPU as above and copied there (``non_blocking``), and nothing
+in the round waits for the device but the end of the round (``torch.cuda.synchronize`` before its
+time is taken): the losses are summed on the device and read once per client. Models with
+dropout draw its masks from the generator keyed by (seed, round, client, "dropout") on the
+device, as a raysim client step does.
 """
 from __future__ import annotations
 
@@ -104,25 +111,28 @@ def sample_clients(seed: int, rnd: int, n: int, k: int) -> list[int]:
 # ----------------------------------------------------------------------------- client and server
 
 def local_train(model: torch.nn.Module, split, positions: np.ndarray, train: dict, lr: float,
-                generator: torch.Generator) -> dict:
-    """``epochs`` epochs of plain SGD over the client's shuffled data; returns mean loss and steps."""
+                generator: torch.Generator, device: torch.device | str = "cpu") -> dict:
+    """``epochs`` epochs of plain SGD over the client's shuffled data; returns mean loss and steps.
+    The batches are made on the CPU and copied to ``device``; the loss is summed there in float64
+    (a Python float's sum, without a host sync per step) and read once."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=train.get("momentum", 0.0),
                           weight_decay=train.get("weight_decay", 0.0))
     bs = int(train["batch_size"])
     positions = np.asarray(positions, dtype=np.int64)
-    total, steps = 0.0, 0
+    total, steps = torch.zeros((), dtype=torch.float64, device=device), 0
     for _ in range(int(train.get("epochs", 1))):
         order = torch.randperm(len(positions), generator=generator).numpy()
         for start in range(0, len(positions), bs):
             x, y = split.tensors(positions[order[start:start + bs]], train=True, generator=generator)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += loss.item()
+            total += loss.detach().to(torch.float64)
             steps += 1
-    return {"loss": total / max(steps, 1), "steps": steps}
+    return {"loss": total.item() / max(steps, 1), "steps": steps}
 
 
 def round_lr(train: dict, rnd: int) -> float:
@@ -153,15 +163,16 @@ def weights_diff(a: dict, b: dict) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, split, positions, batch_size: int = 256) -> dict:
+def evaluate(model, split, positions, batch_size: int = 256, device: torch.device | str = "cpu") -> dict:
     model.eval()
-    correct, n = 0, 0
+    correct, n = torch.zeros((), dtype=torch.int64, device=device), 0
     positions = np.asarray(positions, dtype=np.int64)
     for start in range(0, len(positions), batch_size):
         x, y = split.tensors(positions[start:start + batch_size], train=False, generator=None)
-        correct += int((model(x).argmax(1) == y).sum())
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        correct += (model(x).argmax(1) == y).sum()
         n += len(y)
-    return {"correct": correct, "n": n}
+    return {"correct": int(correct), "n": n}
 
 
 def headline(results: dict[int, dict], domain_of) -> dict:
@@ -177,40 +188,72 @@ def headline(results: dict[int, dict], domain_of) -> dict:
     return {"AVG": float(np.mean(accs)) if accs else float("nan"), "ALL": c / n if n else float("nan")}
 
 
-def evaluate_clients(fed: PlainFederation, model, clients: list[int], split_name: str = "test") -> dict:
+def evaluate_clients(fed: PlainFederation, model, clients: list[int], split_name: str = "test",
+                     device: torch.device | str = "cpu") -> dict:
     bs = max(int(fed.spec["train"]["batch_size"]), 256)
-    return {c: evaluate(model, *fed.view(c)[split_name], batch_size=bs) for c in clients}
+    return {c: evaluate(model, *fed.view(c)[split_name], batch_size=bs, device=device) for c in clients}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``cpu`` or ``cuda`` (the current CUDA device); a UserError in one line when CUDA is asked
+    for and this torch sees none."""
+    from raysim.errors import UserError
+
+    name = (name or "cpu").lower()
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: torch {torch.__version__} sees no CUDA device on this machine "
+                            f"(torch.cuda.is_available() is False); use --device cpu")
+        return torch.device(name if ":" in name else "cuda")
+    raise UserError(f"--device {name!r}: expected cpu or cuda")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a round's time must include it); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def run_plain(spec: dict, threads: int | None = None, rounds: int | None = None) -> dict:
-    """Train ``spec`` with FedAvg in this process. Returns timings, the final global weights and
-    the final evaluation (AVG/ALL test accuracy over the spec's evaluation clients)."""
+def run_plain(spec: dict, threads: int | None = None, rounds: int | None = None, device: str = "cpu",
+              deterministic: bool = False) -> dict:
+    """Train ``spec`` with FedAvg in this process, on ``device`` (``cpu`` or ``cuda``). Returns
+    timings, the final global weights (on the CPU) and the final evaluation (AVG/ALL test accuracy
+    over the spec's evaluation clients). ``deterministic``: torch's deterministic kernels, as raysim's
+    ``runtime.deterministic`` sets them (:mod:`raysim.runtime.determinism`)."""
+    from raysim.models.dropout import dropout_generator
+    from raysim.runtime.determinism import configure
+    from raysim.runtime.seeding import generator_for
+
     if spec.get("method", "fedavg") != "fedavg":
         raise ValueError("the plain loop implements FedAvg only")
+    dev = resolve_device(device)
+    configure(deterministic)
     if threads:
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
     fed = PlainFederation(spec)
-    model = fed.build_model()
+    model = fed.build_model().to(dev)
     global_w = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dtypes = {k: v.dtype for k, v in global_w.items()}
     train = spec["train"]
     eval_clients = fed.eval_clients()
     rounds = int(rounds or spec["rounds"])
+    synchronize(dev)
     startup = time.perf_counter() - t0
     round_seconds, round_cpu, losses, final_eval = [], [], [], {}
     for rnd in range(1, rounds + 1):
         t_round, c_round = time.perf_counter(), time.process_time()
-        from raysim.runtime.seeding import generator_for
-
         sums, total, round_loss = {}, 0.0, []
         for cid in fed.sample(rnd):
             split, positions = fed.view(cid)["train"]
             load_weights(model, global_w)
-            stats = local_train(model, split, positions, train, round_lr(train, rnd),
-                                generator_for(fed.seed, rnd, cid, "train"))
+            with dropout_generator(generator_for(fed.seed, rnd, cid, "dropout", dev)):
+                stats = local_train(model, split, positions, train, round_lr(train, rnd),
+                                    generator_for(fed.seed, rnd, cid, "train"), device=dev)
             round_loss.append(stats["loss"])
             weight = float(len(positions))
             for k, v in model.state_dict().items():
@@ -224,12 +267,14 @@ def run_plain(spec: dict, threads: int | None = None, rounds: int | None = None)
         losses.append(float(np.mean(round_loss)))
         if rnd == rounds:  # raysim evaluates after the last round; so does the plain loop
             load_weights(model, global_w)
-            final_eval = headline(evaluate_clients(fed, model, eval_clients), fed.partition.domain)
+            final_eval = headline(evaluate_clients(fed, model, eval_clients, device=dev), fed.partition.domain)
+        synchronize(dev)
         round_seconds.append(time.perf_counter() - t_round)
         round_cpu.append(time.process_time() - c_round)
     return {"startup_seconds": startup, "round_seconds": round_seconds, "round_cpu": round_cpu, "train_loss": losses,
-            "final_eval": final_eval, "weights": global_w, "threads": torch.get_num_threads(),
-            "num_clients": fed.n}
+            "final_eval": final_eval, "weights": {k: v.cpu() for k, v in global_w.items()},
+            "threads": torch.get_num_threads(), "num_clients": fed.n, "device": str(dev),
+            "deterministic": bool(deterministic)}
 
 
 def main(argv=None) -> int:
@@ -237,10 +282,12 @@ def main(argv=None) -> int:
     p.add_argument("spec", help="workload spec (JSON file)")
     p.add_argument("out", help="folder for result.json and weights.pt")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--deterministic", action="store_true", help="torch's deterministic kernels")
     ns = p.parse_args(argv)
     with open(ns.spec, encoding="utf-8") as fh:
         spec = json.load(fh)
-    save_result(ns.out, run_plain(spec, threads=ns.threads))
+    save_result(ns.out, run_plain(spec, threads=ns.threads, device=ns.device, deterministic=ns.deterministic))
     return 0
 
 
@@ -257,4 +304,9 @@ def save_result(out: str, res: dict) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.exit(main())
+    from raysim.errors import UserError
+    try:
+        sys.exit(main())
+    except UserError as err:  # one line (no CUDA for --device cuda, ...)
+        print(f"plain: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/run.py --quick    # fewer rounds (4), same table and ratios
     .venv/bin/python benchmarks/run.py --only D,P --rounds 2 --no-flower   # a smoke run
     .venv/bin/python benchmarks/run.py --only B --noisy    # a busy process pinned to one core throughout
+    .venv/bin/python benchmarks/run.py --device cuda --quick   # the device benchmark on a GPU (below)
+    .venv/bin/python benchmarks/run.py --device cpu --rounds 2 --only B   # its smoke test (make test)
 
 (A, B and C alone: 33 and 13 minutes on a 2-core machine shared with other work at load average
 ~10, plus 1-3 minutes the first time to install each side venv with pip.)
@@ -36,6 +38,29 @@ every process that trains imports torch._dynamo at its first optimizer step).
 Start-up (Ray, actors, data) is reported separately. Output: the table, then one line per ratio
 ``RATIO <workload> <name> <value>``, then one line per target ``TARGET <workload> <name> ...``;
 everything is also written to OUT/results.json.
+
+The device benchmark (``--device cuda``, or ``--device cpu`` for its smoke test) is a separate flow:
+for each workload of A, B, D, P, B6 (B with ``cnn6``) and R (FedAvg in DapperFL's ResNet-10 digits5
+setting) -- 4 rounds each with ``--quick``, R 2 -- the arms are
+
+* plain     the plain loop on the device (``plain.py --device``: model on the device, each batch
+            copied there, no per-step host sync), 1 thread: the reference of every check and ratio;
+* raysim    per-client, H hosts sharing the device: H in {1, 4} with ``--quick`` ({1, 2, 4, 8} in
+            full) on cuda, each host ``gpus_per_host = 1/H``, ``cpus_per_host = 1``,
+            ``device_data_mb = 2000``; H in {1, 2} on the CPU;
+* cohort    raysim with client cohorts (``runtime.cohort_size``, 1 host), reported as not
+            available while raysim has no such setting;
+* pfl       pfl-research on the GPU (A, B, D, P; one worker), only where ``benchmarks/.venv-pfl``
+            already imports pfl (nothing is installed in this mode); otherwise not available.
+
+Each arm's result is printed (an ``ARM`` line) and appended to OUT/arms.jsonl as soon as it
+finishes; every arm's final weights are checked against the plain loop's: max |difference| <=
+the tolerance (``--tolerance``; default 1e-6 on the CPU and with ``--deterministic``, 5e-2 on
+cuda without it: non-deterministic GPU kernels drift, ~1e-2 after 6 rounds of A). ``--deterministic``
+runs every arm with deterministic kernels (``runtime.deterministic``). The exit status is 1 if an
+arm failed or its weights differ. Ratios: ``raysim_h<H>/plain``, ``raysim_best/plain``,
+``cohort/plain``, ``pfl/plain`` (median round time over the plain loop's); on cuda the issue's
+targets follow as TARGET lines.
 """
 from __future__ import annotations
 
@@ -53,9 +78,10 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks import flgo_env, flower_env, pfl_env  # noqa: E402
+from benchmarks import flgo_env, flower_env, pfl_env, venvs  # noqa: E402
 from benchmarks.procmem import cpu_seconds  # noqa: E402
-from benchmarks.workloads import WORKLOADS, raysim_config, workload_a, workload_c  # noqa: E402
+from benchmarks.workloads import (DEVICE_WORKLOADS, WORKLOADS, raysim_config, workload_a,  # noqa: E402
+                                  workload_c)
 
 # (workload, ratio name, only with --noisy?) -> (comparison, bound)
 TARGETS = {
@@ -474,6 +500,249 @@ def cli_first_round(b: Bench, spec: dict) -> None:
     b.ratio("S", "first_round_s/8s", first / 8.0)
 
 
+# ----------------------------------------------------------------------------- the device benchmark
+
+DEVICE_ORDER = ("A", "B", "D", "P", "B6", "R")
+DEVICE_ROUNDS = {"quick": {"A": 4, "B": 4, "D": 4, "P": 4, "B6": 4, "R": 2},
+                 "full": {"A": 20, "B": 10, "D": 10, "P": 10, "B6": 10, "R": 6}}
+DEVICE_HOSTS = {"cuda": {"quick": (1, 4), "full": (1, 2, 4, 8)}, "cpu": {"quick": (1, 2), "full": (1, 2)}}
+DEVICE_DATA_MB = 2000  # per host on cuda: the clients' data kept on the GPU, batches cut there
+# (workload, ratio) -> (comparison, bound): issue 31's targets on one H100/H200 (cohort goals on B, B6)
+DEVICE_TARGETS = {
+    **{(w, "raysim_best/plain"): ("<=", 1.0) for w in ("A", "B", "D", "B6")},
+    **{(w, "raysim_h1/plain"): ("<=", 1.3) for w in ("A", "B", "D", "B6")},
+    ("D", "cohort/plain"): ("<=", 0.2), ("P", "cohort/plain"): ("<=", 0.2),
+    ("B", "cohort/plain"): ("<=", 0.3), ("B6", "cohort/plain"): ("<=", 0.5),
+}
+
+
+def device_tolerance(device: str, deterministic: bool, given: float | None) -> float:
+    """max |w_arm - w_plain| an arm may show: exact on the CPU and with deterministic kernels (1e-6,
+    0 expected); 5e-2 on cuda without them (atomics and autotuned kernels drift: ~1e-2 after 6
+    rounds of A on an H200)."""
+    if given is not None:
+        return given
+    return 5e-2 if device == "cuda" and not deterministic else 1e-6
+
+
+def cohort_unavailable() -> str | None:
+    """Why the cohort arm cannot run (None when raysim has ``runtime.cohort_size``)."""
+    import dataclasses
+
+    from raysim.config import RuntimeConfig
+    if "cohort_size" in {f.name for f in dataclasses.fields(RuntimeConfig)}:
+        return None
+    return "raysim has no runtime.cohort_size yet (client cohorts: coming)"
+
+
+def pfl_on_device() -> tuple[str | None, str]:
+    """(python of benchmarks/.venv-pfl, versions) when pfl already imports there; nothing is
+    installed here (a GPU machine may have no network): (None, why) otherwise."""
+    sv = pfl_env.side_venv()
+    py = sv.python()
+    if not (os.path.isfile(os.path.join(sv.path, venvs.MARKER)) and os.path.exists(py)):
+        return None, f"pfl-research is not installed ({os.path.relpath(sv.path, REPO)} missing)"
+    ok = sv._check()
+    if ok.returncode != 0:
+        return None, f"pfl does not import: {venvs.last_error(ok.stderr)}"
+    return py, sv.describe(ok.stdout)
+
+
+class DeviceBench(Bench):
+    """The device benchmark's arms; each one's result is appended to OUT/arms.jsonl and printed as
+    soon as it finishes."""
+
+    def __init__(self, out: str, timeout: float, tolerance: float, device: str, deterministic: bool):
+        super().__init__(out, timeout, tolerance)
+        self.device, self.deterministic = device, deterministic
+        self.arms_file = os.path.join(out, "arms.jsonl")
+        self.failed: list[str] = []
+
+    def record(self, workload: str, arm: str, resources: str, res: dict | None = None, diff: float | None = None,
+               steps: float | None = None, na: str | None = None) -> None:
+        entry = {"workload": workload, "arm": arm, "resources": resources, "device": self.device,
+                 "deterministic": self.deterministic, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if na is not None:
+            entry["not_available"] = na
+            self.rows.append({"workload": workload, "arm": arm, "na": f"{resources}: {na}"})
+            line = f"ARM {workload} {arm}: not available: {na}"
+        else:
+            ok = diff is not None and diff <= self.tolerance
+            if not ok:
+                self.void = True
+            r = self.row(workload, arm, res, resources, diff, steps=steps)
+            entry.update(round_median=r["round_median"], round_seconds=res["round_seconds"],
+                         startup=res.get("startup_seconds"), ray_start=res.get("ray_start_seconds"),
+                         test_avg=r["test_avg"], max_abs_diff=diff, tolerance=self.tolerance,
+                         same=ok, steps_per_round=steps)
+            line = (f"ARM {workload} {arm} [{resources}]: round {r['round_median']:.3f} s (median), start-up "
+                    f"{fmt(res.get('startup_seconds'))} s, max |w - w_plain| = {diff:.3g} "
+                    f"({'OK' if ok else 'MISMATCH'}: tolerance {self.tolerance:g})")
+        with open(self.arms_file, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry, default=str) + "\n")
+        print(line, flush=True)
+
+    def fail(self, workload: str, arm: str, resources: str, err: Exception) -> None:
+        self.failed.append(f"{workload} {arm}")
+        self.record(workload, arm, resources, na=f"FAILED: {err}")
+
+    def plain_arm(self, spec: dict):
+        log(f"{spec['name']}: plain loop on {self.device}, 1 thread")
+        out = os.path.join(self.out, f"{spec['name']}-plain-{self.device}")
+        cmd = [sys.executable, os.path.join(HERE, "plain.py"), write_spec(spec, self.out), out, "--threads", "1",
+               "--device", self.device] + (["--deterministic"] if self.deterministic else [])
+        return run_arm(f"plain {spec['name']}", cmd, out, self.timeout), out
+
+    def host_runtime(self, hosts: int, extra: dict | None = None) -> dict:
+        rt = {"deterministic": True} if self.deterministic else {}
+        if self.device == "cuda":
+            rt.update(gpus_per_host=1.0 / hosts, cpus_per_host=1, device_data_mb=DEVICE_DATA_MB)
+        return {**rt, **(extra or {})}
+
+    def host_resources(self, hosts: int) -> str:
+        if self.device == "cuda":
+            return f"{hosts} host(s) x {1 / hosts:g} GPU, 1 CPU"
+        return f"{hosts} host(s) x 1 CPU, 1 thread"
+
+
+def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_size, pfl: tuple | None) -> None:
+    """The plain loop on the device, then raysim per-client at each H, cohorts, pfl (cuda)."""
+    w = spec["name"]
+    steps = steps_per_round(spec)
+    try:
+        ref, ref_dir = b.plain_arm(spec)
+    except RuntimeError as err:
+        b.fail(w, "plain", f"1 process, 1 thread, {b.device}", err)
+        return
+    ref_w = os.path.join(ref_dir, "weights.pt")
+    b.record(w, "plain", f"1 process, 1 thread, {b.device}", ref, 0.0, steps)
+    b.results[w] = {"plain": ref, "steps_per_round": steps}
+    base = median_round(ref)
+
+    def arm(name: str, tag: str, n_hosts: int, runtime: dict, resources: str) -> float | None:
+        try:
+            res, d = b.raysim(spec, tag, hosts=n_hosts, runtime=runtime)
+        except RuntimeError as err:
+            b.fail(w, name, resources, err)
+            return None
+        diff = max_abs_diff(os.path.join(d, "weights.pt"), ref_w)
+        b.record(w, name, resources, res, diff, steps)
+        b.results[w][tag] = {**res, "max_abs_diff": diff}
+        return median_round(res) if diff <= b.tolerance else None
+
+    best = None
+    for h in hosts:
+        t = arm(f"raysim H={h}", f"raysim-h{h}", h, b.host_runtime(h), b.host_resources(h))
+        if t is not None:
+            b.ratio(w, f"raysim_h{h}/plain", t / base)
+            best = t if best is None else min(best, t)
+    if best is not None:
+        b.ratio(w, "raysim_best/plain", best / base)
+    why = cohort_unavailable()
+    if why is not None:
+        b.record(w, "raysim cohorts", "1 host", na=why)
+    else:
+        t = arm(f"raysim cohorts K={cohort_size}", "raysim-cohort", 1,
+                b.host_runtime(1, {"cohort_size": cohort_size}), b.host_resources(1) + f", cohort_size {cohort_size}")
+        if t is not None:
+            b.ratio(w, "cohort/plain", t / base)
+    if pfl is None or w not in FEDAVG:
+        return
+    py, why = pfl
+    if py is None:
+        b.record(w, "pfl", "1 worker, GPU", na=why)
+        return
+    log(f"{w}: pfl-research simulated backend on {b.device}, 1 worker")
+    out = os.path.join(b.out, f"{w}-pfl-{b.device}")
+    cmd = [py, os.path.join(HERE, "pfl_runner.py"), write_spec(spec, b.out), out, "--workers", "1", "--threads", "1",
+           "--device", b.device]
+    try:
+        res = run_arm(f"pfl {w}", cmd, out, b.timeout)
+    except RuntimeError as err:
+        b.record(w, "pfl", "1 worker, GPU", na=str(err))  # pfl's own failure: not raysim's
+        return
+    wpath = os.path.join(out, "weights.pt")
+    diff = max_abs_diff(wpath, ref_w) if os.path.isfile(wpath) else float("inf")
+    b.record(w, "pfl", f"1 worker, 1 thread, {b.device} ({why})", res, diff, steps)
+    if diff <= b.tolerance:
+        b.ratio(w, "pfl/plain", median_round(res) / base)
+
+
+def device_targets(ratios: list[tuple[str, str, float]]) -> list[str]:
+    out = []
+    for (w, name), (op, bound) in DEVICE_TARGETS.items():
+        for rw, rn, v in ratios:
+            if (rw, rn) == (w, name):
+                ok = v <= bound if op == "<=" else v >= bound
+                out.append(f"TARGET {w} {name} {op} {bound:g}: {v:.3g} {'met' if ok else 'missed'}")
+    return out
+
+
+def device_main(ns, out: str) -> int:
+    """``--device cpu|cuda``: the device benchmark (see the module docstring)."""
+    from benchmarks.plain import resolve_device
+    from raysim.errors import UserError
+
+    device = resolve_device(ns.device).type  # one line and exit 2 when cuda is asked for and absent
+    only = [w.strip().upper() for w in (ns.only or ",".join(DEVICE_ORDER)).split(",") if w.strip()]
+    if not set(only) <= set(DEVICE_ORDER):
+        raise UserError(f"--only {ns.only!r}: with --device, a comma-separated subset of {','.join(DEVICE_ORDER)}")
+    mode = "quick" if ns.quick else "full"
+    rounds = {w: ns.rounds or DEVICE_ROUNDS[mode][w] for w in DEVICE_ORDER}
+    hosts = DEVICE_HOSTS[device][mode]
+    cohort_size = int(ns.cohort_size) if str(ns.cohort_size).isdigit() else ns.cohort_size
+    tol = device_tolerance(device, ns.deterministic, ns.tolerance)
+    b = DeviceBench(out, ns.timeout, tol, device, ns.deterministic)
+    t0 = time.perf_counter()
+    print(f"machine: {versions()}{gpu_name(device)}; load average before: {load_average()}", flush=True)
+    print(f"device benchmark on {device} ({mode}{', deterministic kernels' if ns.deterministic else ''}): "
+          f"workloads {', '.join(f'{w} {rounds[w]} rounds' for w in DEVICE_ORDER if w in only)}; raysim at H in "
+          f"{set(hosts)}; weights checked against the plain loop's, tolerance {tol:g}; results appended to "
+          f"{b.arms_file}", flush=True)
+    pfl = pfl_on_device() if device == "cuda" and not ns.no_pfl else None
+    if pfl is not None and pfl[0] is None:
+        print(f"pfl: not available: {pfl[1]}", flush=True)
+    from raysim.data import load  # the data is generated once and cached before any arm is timed
+    for w in [w for w in DEVICE_ORDER if w in only]:
+        spec = DEVICE_WORKLOADS[w](1)
+        load(spec["dataset"], seed=int(spec["seed"]), **spec.get("data_options", {}))
+    for w in [w for w in DEVICE_ORDER if w in only]:
+        device_workload(b, DEVICE_WORKLOADS[w](rounds[w]), hosts, cohort_size, pfl)
+    targets = device_targets(b.ratios) if device == "cuda" else []
+    b.results.update(load_after=load_average(), seconds=time.perf_counter() - t0, rows=b.rows,
+                     ratios=[list(r) for r in b.ratios], machine=versions() + gpu_name(device), device=device,
+                     deterministic=ns.deterministic, tolerance=tol, quick=ns.quick, hosts=list(hosts),
+                     rounds={w: rounds[w] for w in only}, failed=b.failed, targets=targets)
+    text = table(b.rows, [f"device {device}{gpu_name(device)}" + (", deterministic kernels" if ns.deterministic else "")])
+    print()
+    print(text)
+    print(f"harness wall time {b.results['seconds']:.0f} s; results in {out}")
+    if b.void:
+        print(f"VOID: an arm failed ({', '.join(b.failed) or 'none'}) or its weights differ from the plain loop's "
+              f"by more than {tol:g}; its ratios are left out")
+    ratio_lines = [f"RATIO {w} {name} {v:.3g}" for w, name, v in b.ratios]
+    for line in ratio_lines + targets:
+        print(line)
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as fh:
+        json.dump(b.results, fh, indent=1, default=str)
+    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as fh:
+        fh.write(text + "\n\n" + "\n".join(ratio_lines + targets) + "\n")
+    return 1 if b.void else 0
+
+
+def gpu_name(device: str) -> str:
+    """", <GPU model>" on cuda, from nvidia-smi (the driver process never opens a CUDA context)."""
+    if device != "cuda":
+        return ""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        names = [line.strip() for line in r.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    return f", {'; '.join(names)}" if names else ", GPU (nvidia-smi not found)"
+
+
 # ----------------------------------------------------------------------------- output
 
 def fmt(v, spec=".2f"):
@@ -514,8 +783,15 @@ def main(argv=None) -> int:
                                             "(prints a table, RATIO and TARGET lines)")
     p.add_argument("--quick", action="store_true", help="a few minutes per workload: 4 rounds each")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every workload (overrides --quick)")
-    p.add_argument("--only", default="A,B,C,S,D,P",
-                   help="comma-separated subset of A,B,C,D,P,S (S: CLI start-up); default: all")
+    p.add_argument("--only", default=None,
+                   help="comma-separated subset of A,B,C,D,P,S (S: CLI start-up); with --device, of "
+                        "A,B,D,P,B6,R; default: all")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the device benchmark: the plain loop on the device against raysim per-client at "
+                        "several host counts, cohorts and pfl (cuda); cpu: its smoke test")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --device: deterministic kernels in every arm (runtime.deterministic)")
+    p.add_argument("--cohort-size", default="16", help="with --device: the cohort arm's runtime.cohort_size")
     p.add_argument("--no-flower", action="store_true", help="skip the Flower arm")
     p.add_argument("--no-pfl", action="store_true", help="skip the pfl-research arm")
     p.add_argument("--no-flgo", action="store_true", help="skip the FLGo arm")
@@ -526,15 +802,23 @@ def main(argv=None) -> int:
                    help="run a pure-Python busy loop pinned to one CPU during every arm (plain loops included)")
     p.add_argument("--noisy-cpu", type=int, default=None, help="the CPU --noisy pins to (default 1, or 0 on 1 CPU)")
     p.add_argument("--out", default=None, help="results folder (default runs/bench-<time>)")
-    p.add_argument("--tolerance", type=float, default=1e-6, help="equivalence check: max |w_arm - w_plain|")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="equivalence check: max |w_arm - w_plain| (default 1e-6; with --device cuda 5e-2, "
+                        "1e-6 with --deterministic)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm")
     ns = p.parse_args(argv)
     from raysim.errors import UserError
-    only = {w.strip().upper() for w in ns.only.split(",") if w.strip()}
-    if not only <= {"A", "B", "C", "D", "P", "S"}:
-        raise UserError(f"--only {ns.only!r}: expected a comma-separated subset of A,B,C,D,P,S")
     if ns.rounds is not None and ns.rounds < 1:
         raise UserError(f"--rounds {ns.rounds}: expected at least 1")
+    if ns.device is not None:
+        out = os.path.abspath(ns.out or os.path.join(REPO, "runs", f"bench-{ns.device}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        os.makedirs(out, exist_ok=True)
+        return device_main(ns, out)
+    if ns.tolerance is None:
+        ns.tolerance = 1e-6
+    only = {w.strip().upper() for w in (ns.only or "A,B,C,S,D,P").split(",") if w.strip()}
+    if not only <= {"A", "B", "C", "D", "P", "S"}:
+        raise UserError(f"--only {ns.only!r}: expected a comma-separated subset of A,B,C,D,P,S")
     out = os.path.abspath(ns.out or os.path.join(REPO, "runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}"))
     os.makedirs(out, exist_ok=True)
     rounds = {w: (ns.rounds or (4 if ns.quick else r)) for w, r in ROUNDS.items()}

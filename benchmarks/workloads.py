@@ -24,6 +24,14 @@ digits CNN of the papers (``cnn6``, 14M parameters) is too slow for a 2-core CPU
      normalisation layers for pfl's ``simple_cnn`` (1.6M parameters; no norm layers either),
      FedAvg (n_k-weighted: every client holds 50 images, so it equals pfl's uniform weighting
      and central lr 1.0), and a few rounds instead of 1,500 central iterations.
+
+Two more for the device benchmark (``run.py --device``; too slow for a 2-core CPU):
+
+* B6 B with the digits CNN of the papers, ``cnn6`` (BN and dropout; 18.1M parameters at 32 px).
+* R  FedAvg in DapperFL's ResNet-10 digits5 setting (``configs/dapperfl/digits5.yaml`` at the
+     paper's 32 px): 10 clients (2 per domain, 10% of the domain's training split each), all
+     every round, 5 local epochs at batch 64, SGD lr 0.01, momentum 0.9, weight decay 1e-5,
+     n_k-weighted FedAvg, each domain's full test split shared by its clients.
 """
 from __future__ import annotations
 
@@ -73,7 +81,23 @@ def workload_p(rounds: int = 10, num_clients: int = 1000, per_round: int = 50) -
             "eval_clients": 100}
 
 
+def workload_b6(rounds: int = 10, num_clients: int = 1000, per_round: int = 50) -> dict:
+    spec = workload_b(rounds, num_clients, per_round)
+    spec.update(name="B6", model={"name": "cnn6", "norm": "bn"})
+    return spec
+
+
+def workload_r(rounds: int = 6) -> dict:
+    return {"name": "R", "method": "fedavg", "rounds": rounds, "seed": 0, "clients_per_round": None,
+            "dataset": "digits5", "data_options": {},
+            "partition": {"kind": "per_domain", "clients_per_domain": 2, "fraction": 0.1, "shared_test": True},
+            "model": {"name": "resnet10", "norm": "bn"},
+            "train": {"epochs": 5, "batch_size": 64, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5},
+            "eval_clients": "all"}
+
+
 WORKLOADS = {"A": workload_a, "B": workload_b, "D": workload_d, "P": workload_p}
+DEVICE_WORKLOADS = {**WORKLOADS, "B6": workload_b6, "R": workload_r}  # run.py --device
 
 
 def raysim_config(spec: dict, hosts: int = 2, cpus_per_host: float = 1.0, eval_every: int | None = None,

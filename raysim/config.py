@@ -88,6 +88,11 @@ class RuntimeConfig:
     device_data_mb: float = setting(0.0, ge=0)
     # per host: clients' stored state kept on its GPU between rounds, LRU beyond it to CPU memory then disk (0: off)
     device_state_mb: float = setting(0.0, ge=0)
+    # deterministic kernels on every host and the server (raysim.runtime.determinism): torch's
+    # use_deterministic_algorithms, cuDNN deterministic (no autotuning), CUBLAS_WORKSPACE_CONFIG set
+    # before CUDA starts, so a GPU run repeats bit for bit; an operation without a deterministic
+    # kernel stops the run with a one-line error naming it. CPU kernels are deterministic either way
+    deterministic: bool = False
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0

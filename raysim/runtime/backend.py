@@ -3,12 +3,17 @@ driver's process (``InProcess``: the same round loop without Ray, for tests and 
 
 The round loop (:mod:`raysim.runtime.loop`) talks to both the same way: ``handle.method.remote(...)``
 returns a reference, and ``backend.get(refs)`` waits for it.
+
+Both turn torch's "no deterministic kernel" error of a host (``runtime.deterministic``) into a
+one-line user error naming the operation and the model (:mod:`raysim.runtime.determinism`).
 """
 from __future__ import annotations
 
 
 class RayActors:
     """A Server actor and a pool of ClientHost actors in one placement group."""
+
+    model = "?"  # the federation's model (cfg.model.name), for the determinism error; set by launch_pool
 
     def server(self, cfg):
         import ray
@@ -19,6 +24,7 @@ class RayActors:
 
     def launch_pool(self, cfg, num_hosts: int):
         from raysim.runtime.cluster import launch_pool
+        self.model = cfg.model.name
         return launch_pool(cfg, num_hosts)
 
     def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
@@ -27,6 +33,7 @@ class RayActors:
 
     def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
         from raysim.runtime.cluster import create_pool
+        self.model = cfg.model.name
         return create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
 
     def stop_pool(self, hosts, pg, unawaited=()) -> None:
@@ -38,8 +45,17 @@ class RayActors:
         ray.kill(actor)
 
     def get(self, refs):
+        import ray
+
         from raysim.runtime.cluster import ray_get
-        return ray_get(refs)
+        from raysim.runtime.determinism import nondeterministic_error
+        try:
+            return ray_get(refs)
+        except ray.exceptions.RayTaskError as err:
+            user = nondeterministic_error(getattr(err, "cause", None), self.model)
+            if user is None:
+                raise
+            raise user from None
 
     def wait(self, refs: list) -> tuple[list, list]:
         """(the refs done, the others) as soon as at least one is done."""
@@ -73,21 +89,28 @@ def _value(x):
 
 
 class _Method:
-    def __init__(self, fn):
-        self._fn = fn
+    def __init__(self, fn, model: str):
+        self._fn, self._model = fn, model
 
     def remote(self, *args, **kwargs):
-        return _Done(self._fn(*[_value(a) for a in args], **{k: _value(v) for k, v in kwargs.items()}))
+        from raysim.runtime.determinism import nondeterministic_error
+        try:
+            return _Done(self._fn(*[_value(a) for a in args], **{k: _value(v) for k, v in kwargs.items()}))
+        except RuntimeError as err:
+            user = nondeterministic_error(err, self._model)
+            if user is None:
+                raise
+            raise user from None
 
 
 class _Handle:
     """An object called like an actor: ``handle.method.remote(...)`` runs it now."""
 
-    def __init__(self, obj):
-        self.obj = obj
+    def __init__(self, obj, model: str = "?"):
+        self.obj, self._model = obj, model
 
     def __getattr__(self, name):
-        return _Method(getattr(self.obj, name))
+        return _Method(getattr(self.obj, name), self._model)
 
 
 class InProcess(RayActors):
@@ -96,11 +119,11 @@ class InProcess(RayActors):
 
     def server(self, cfg):
         from raysim.runtime.server import Server
-        return _Handle(Server(cfg))
+        return _Handle(Server(cfg), cfg.model.name)
 
     def launch_pool(self, cfg, num_hosts: int):
         from raysim.runtime.host import ClientHost
-        hosts = [_Handle(ClientHost(h, cfg, num_hosts, gpu_ids=[])) for h in range(num_hosts)]
+        hosts = [_Handle(ClientHost(h, cfg, num_hosts, gpu_ids=[]), cfg.model.name) for h in range(num_hosts)]
         return hosts, [h.start.remote() for h in hosts], None
 
     def await_pool(self, hosts, starts, num_clients: int, run_dir=None):

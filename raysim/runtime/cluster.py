@@ -140,6 +140,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
     from ray.util.placement_group import get_current_placement_group, placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from raysim.runtime.determinism import actor_options
     from raysim.runtime.host import ClientHost
 
     rt = cfg.runtime
@@ -156,7 +157,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
     actor = ray.remote(ClientHost)
     hosts = []
     for h in range(num_hosts):
-        opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host,
+        opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host, **actor_options(rt),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
         hosts.append(actor.options(**opts).remote(h, cfg, num_hosts))
     return hosts, [h.start.remote() for h in hosts], own_pg

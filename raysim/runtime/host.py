@@ -23,6 +23,7 @@ from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.clientdata import device_budget, keep_on_device
 from raysim.runtime.compute import ComputeMeter
+from raysim.runtime.determinism import configure as configure_determinism
 from raysim.runtime.federation import Federation
 from raysim.runtime.seeding import generator_for
 from raysim.runtime.store import ClientStateStore, state_nbytes
@@ -82,6 +83,7 @@ class ClientHost:
         rt = cfg.runtime
         threads = rt.torch_threads or max(1, int(rt.cpus_per_host))
         torch.set_num_threads(threads)
+        configure_determinism(rt.deterministic)  # before the model and data reach the device
         self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
         self.fed = Federation(cfg)
         self.client_ids = range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts)
