@@ -3,8 +3,8 @@ drives its federation) is retried from its federation's last checkpoint up to ``
 times; one that keeps dying fails with its cause in trials.parquet and the summary; a rerun of the
 search says what it re-runs; Optuna's study agrees with trials.parquet all along.
 
-One real search on the session's Ray (two 2-round trials, one epoch each, checkpoint every round,
-``max_failures: 1``): trial 1's worker is killed once, after round 1; trial 2's at both attempts.
+One real search on the session's Ray (two 2-round trials at once, one epoch each, checkpoint every
+round, ``max_failures: 1``): trial 1's worker is killed once, after round 1; trial 2's at both attempts.
 Then the same search is run again (it re-runs trial 2), and once more (nothing left to run)."""
 import contextlib
 import glob
@@ -89,7 +89,7 @@ def searches(ray_session, tmp_path_factory, tiny_experiment):
     exp["train"]["epochs"] = 1
     exp["checkpoint"] = {"every": 1}
     spec = load_spec(raw={
-        "name": "failures-test", "method": "fedprox", "experiment": exp, "trials": 2, "max_concurrent": 1,
+        "name": "failures-test", "method": "fedprox", "experiment": exp, "trials": 2, "max_concurrent": 2,
         "max_failures": 1, "scheduler": "none", "sampler": {"kind": "random", "seed": 0},
         "space": {"train.lr": {"loguniform": [0.01, 0.1]}}})
     killer = Killer(out, {1: 1, 2: 2})
