@@ -476,6 +476,11 @@ def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
         config = config or configs.get(trial_id, {})
         finished = status in (None, "TERMINATED", "ERROR")
         run_dir = os.path.join(out, "trials", name)
+        if result.error is not None and "round" not in m:
+            # a worker killed between writing its ledger and reporting to Tune: the ledger's last
+            # round is what the trial got to (shown; an errored trial is never picked as best)
+            reports = (read_json(os.path.join(run_dir, "progress.json")) or {}).get("reports") or []
+            m = {**reports[-1], **m} if reports else m
         ledger = read_json(os.path.join(run_dir, "result.json")) or {}
         attempts = _read_int(os.path.join(run_dir, "attempts"), m.get("attempt", 0))
         row = {"trial": trial_number(name), "trial_id": trial_id,

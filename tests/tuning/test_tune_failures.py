@@ -129,6 +129,7 @@ def test_a_trial_that_keeps_failing_shows_its_cause(searches):
     df = searches["first_df"].set_index("trial")
     assert df.loc[2, "stop_reason"] == "error" and df.loc[2, "attempts"] == 2
     assert df.loc[2, "error"].startswith(KILLED), df.loc[2, "error"]
+    assert df.loc[2, "rounds_run"] == 1  # its round 1 stands (from its ledger if Tune missed the report)
     lines = searches["first_lines"]
     assert f"  trial 2 failed after 2 attempts: {KILLED} (worker exit type SYSTEM_ERROR)" in lines, lines
     summary = lines[lines.index(next(line for line in lines if line.startswith("2 trials: "))):]
