@@ -8,8 +8,11 @@
 The search directory (``--out``, default ``runs/tune/<name>``) holds everything: ``search.yaml``
 (the resolved search, compared on resume), ``optuna.journal`` (the Optuna study), ``tune/`` (Tune's
 experiment state), ``trials/<NNN_id>/`` (each federation's run directory) and the outputs.
-Running the same command again on an interrupted search restores it: finished trials are kept
-(and never re-run), unfinished ones start over, and the remaining ones are sampled.
+A failed trial is retried ``max_failures`` times (Tune's FailureConfig), each retry continuing its
+federation from its last checkpoint; the cause of a failure is printed, and kept in trials.parquet.
+Running the same command again restores the search and says what it runs: finished trials are
+kept (never re-run), interrupted and failed ones continue from their last checkpoint, and the
+remaining ones are sampled.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -24,7 +28,8 @@ import warnings
 
 import yaml
 
-from raysim.errors import UserError
+from raysim import checkpoint
+from raysim.errors import RunFailed, UserError
 from raysim.tuning import outputs
 from raysim.tuning import space as sp
 from raysim.tuning.spec import SAMPLERS, TuneSpec, load_spec
@@ -36,6 +41,7 @@ EXPERIMENT = "tune"  # Tune's experiment folder inside the search directory
 BACKUP = "tune-backup"  # the last readable copy of Tune's experiment state
 
 from ray.tune import Callback
+from ray.tune.search import ConcurrencyLimiter
 from ray.tune.search.optuna import OptunaSearch
 
 
@@ -72,11 +78,11 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
         trainable = make_trainable(ctx, bundles, spec.resources["strategy"])
         exp_dir = os.path.join(out, EXPERIMENT)
         if resume:
-            done = _count_finished(out)
-            echo(f"  resuming the search in {out} ({done} of {spec.trials} trials finished earlier)"
-                 if done < spec.trials else f"  the search in {out} is complete; rewriting its outputs")
+            # say what the restore runs: interrupted and failed trials continue from their last
+            # checkpoint (a failed one gets its max_failures retries afresh), the rest are sampled
+            echo("  " + resume_plan(saved_trials(exp_dir, out), spec.trials, _shown(out)))
             tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True,
-                                       resume_errored=False, restart_errored=False)
+                                       resume_errored=True)
         else:
             echo(f"  search directory: {out}; one trial = {len(bundles) - 1} host(s), bundles {bundles}")
             tuner = build_tuner(spec, trainable, out)
@@ -87,16 +93,15 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
 
 def build_tuner(spec: TuneSpec, trainable, out: str):
     from ray import tune
-    from ray.tune.search import ConcurrencyLimiter
 
     searcher = make_searcher(spec, out)
     tune_config = tune.TuneConfig(
-        search_alg=ConcurrencyLimiter(searcher, max_concurrent=spec.max_concurrent),
+        search_alg=RaysimLimiter(searcher, max_concurrent=spec.max_concurrent),
         scheduler=make_scheduler(spec), num_samples=spec.trials, reuse_actors=False,
         trial_name_creator=trial_name, trial_dirname_creator=trial_name)
     run_config = tune.RunConfig(
         name=EXPERIMENT, storage_path=out, verbose=0, callbacks=[Progress(spec.metric, spec.trials, out)],
-        failure_config=tune.FailureConfig(max_failures=0),
+        failure_config=tune.FailureConfig(max_failures=spec.max_failures),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1))
     return tune.Tuner(trainable, tune_config=tune_config, run_config=run_config)
 
@@ -147,23 +152,52 @@ def make_scheduler(spec: TuneSpec):
 
 
 class RaysimOptunaSearch(OptunaSearch):
-    """OptunaSearch over an on-disk study that survives being restored.
+    """OptunaSearch over an on-disk study that survives being restored, and agrees with Tune.
 
     The study lives in ``optuna.journal`` and can be ahead of Tune's last experiment snapshot:
     a trial may already be complete in the study when Tune replays it, and a trial asked for
     after the snapshot is unknown to Tune. The first is ignored, the second marked failed.
+
+    Tune tells the searcher about a trial once, when it is done with it: a trial retried after a
+    failure is not told until it completes (its value recorded) or fails for good (recorded
+    failed, once). A failed trial that a rerun of the search completes cannot be reopened in
+    Optuna (finished trials are immutable): its result is added as a completed trial with the same
+    parameters (user attributes ``tune_trial_id`` and ``rerun_of``, the failed trial's number).
     """
 
     def on_trial_result(self, trial_id, result):
         import optuna
+        if trial_id in self._completed_trials or self._finished(trial_id):
+            return  # a rerun of a trial the study already holds as failed
         try:
             super().on_trial_result(trial_id, result)
         except (optuna.exceptions.UpdateFinishedTrialError, KeyError):
             pass
 
     def on_trial_complete(self, trial_id, result=None, error=False):
-        if trial_id in self._ot_trials:
-            super().on_trial_complete(trial_id, result=result, error=error)
+        if trial_id not in self._ot_trials:
+            return
+        old = self._finished(trial_id)
+        if old is None:
+            return super().on_trial_complete(trial_id, result=result, error=error)
+        value = (result or {}).get(self.metric)
+        if not error and value is not None and old.state.name == "FAIL" and not self._rerun_recorded(trial_id):
+            import optuna
+            self._ot_study.add_trial(optuna.trial.create_trial(
+                params=old.params, distributions=old.distributions, value=value,
+                user_attrs={"tune_trial_id": trial_id, "rerun_of": old.number}))
+        self._completed_trials.add(trial_id)
+
+    def _finished(self, trial_id):
+        """The study's record of the trial if it is already finished there, else None."""
+        ot_trial = self._ot_trials.get(trial_id)
+        if ot_trial is None:
+            return None
+        frozen = next((t for t in self._ot_study.get_trials(deepcopy=False) if t.number == ot_trial.number), None)
+        return frozen if frozen is not None and frozen.state.is_finished() else None
+
+    def _rerun_recorded(self, trial_id) -> bool:
+        return any(t.user_attrs.get("tune_trial_id") == trial_id for t in self._ot_study.get_trials(deepcopy=False))
 
     def restore(self, checkpoint_path):
         super().restore(checkpoint_path)
@@ -177,15 +211,26 @@ class RaysimOptunaSearch(OptunaSearch):
                     pass
 
 
+class RaysimLimiter(ConcurrencyLimiter):
+    """ConcurrencyLimiter that also passes on the end of a trial it no longer counts: a trial
+    that had failed for good, re-run by a rerun of the search (the limiter forgot it when it
+    failed, and would keep its result from the study)."""
+
+    def on_trial_complete(self, trial_id, result=None, error=False):
+        if trial_id in self.live_trials:
+            return super().on_trial_complete(trial_id, result=result, error=error)
+        self.searcher.on_trial_complete(trial_id, result=result, error=error)
+
+
 def trial_name(trial) -> str:
     """``003_1f46143d``: the trial's number (Tune's creation counter, from 1) and its id."""
     return f"{trial_number(trial.experiment_tag):03d}_{trial.trial_id}"
 
 
 class Progress(Callback):
-    """One line per finished trial instead of Tune's status tables; and a backup of Tune's last
-    readable experiment state (Tune copies its state into the search directory in place, so a
-    search killed during that copy would leave nothing to restore from)."""
+    """One line per finished, failed or retried trial instead of Tune's status tables; and a backup
+    of Tune's last readable experiment state (Tune copies its state into the search directory in
+    place, so a search killed during that copy would leave nothing to restore from)."""
 
     def __init__(self, metric: str, total: int, out: str):
         self.metric, self.total, self.finished, self.out = metric, total, 0, out
@@ -201,6 +246,14 @@ class Progress(Callback):
     def _count(self, trials, trial) -> int:
         return 1 + sum(1 for t in trials if t is not trial and t.status in ("TERMINATED", "ERROR"))
 
+    def on_trial_start(self, iteration, trials, trial, **info):
+        # A trial that had failed for good (its ``finished`` record says so) starts again only in
+        # a rerun of the search: it gets its retries afresh (Tune would go on counting).
+        marker = os.path.join(self.out, "trials", trial_name(trial), "finished")
+        if _read_text(marker) == "error":
+            trial.run_metadata.num_failures = 0
+            os.remove(marker)
+
     def on_trial_complete(self, iteration, trials, trial, **info):
         self.finished = self._count(trials, trial)
         r = trial.last_result or {}
@@ -208,22 +261,31 @@ class Progress(Callback):
         shown = "-" if value is None else f"{value:.4f}"
         reason = stop_reason(r, error=False)
         note = " (finished before the restore; not re-run)" if r.get("replayed") else ""
+        retries = trial.run_metadata.num_failures
+        if retries and not note:
+            note = f" after {retries} retr{'y' if retries == 1 else 'ies'}"
         params = ", ".join(f"{sp.short_name(k)}={outputs._fmt(v)}" for k, v in (trial.config or {}).items())
         self._mark(trial, reason)
         print(f"  trial {trial_number(trial.experiment_tag)} [{self.finished}/{self.total}] {params}: "
               f"{self.metric} {shown} after round {r.get('round', 0)}/{r.get('rounds_total', '?')} "
               f"({reason}){note}", flush=True)
 
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        run_dir = os.path.join(self.out, "trials", trial_name(trial))
+        rounds = checkpoint.list_rounds(run_dir)
+        where = f"its round-{rounds[-1]} checkpoint" if rounds else "round 1 (no checkpoint yet)"
+        n = trial.run_metadata.num_failures
+        print(f"  trial {trial_number(trial.experiment_tag)} failed (attempt {_read_int(os.path.join(run_dir, 'attempts'), n)}): "
+              f"{error_line(trial_error(trial))}; retrying from {where} (retry {n} of {trial.max_failures})",
+              flush=True)
+
     def on_trial_error(self, iteration, trials, trial, **info):
         self.finished = self._count(trials, trial)
-        err = None
-        try:
-            err = trial.get_pickled_error() or trial.get_error()
-        except Exception:
-            pass
         self._mark(trial, "error")
-        print(f"  trial {trial_number(trial.experiment_tag)} [{self.finished}/{self.total}] failed: "
-              f"{error_line(err)}", flush=True)
+        attempts = _read_int(os.path.join(self.out, "trials", trial_name(trial), "attempts"), 0)
+        print(f"  trial {trial_number(trial.experiment_tag)} [{self.finished}/{self.total}] failed"
+              f"{f' after {attempts} attempts' if attempts > 1 else ''}: {error_line(trial_error(trial))}",
+              flush=True)
 
     def _mark(self, trial, reason: str) -> None:
         """``trials/<name>/finished``: the driver's record that Tune is done with the trial."""
@@ -234,6 +296,22 @@ class Progress(Callback):
                 fh.write(reason + "\n")
         except OSError:
             pass
+
+
+def trial_error(trial):
+    """The trial's latest error as Tune recorded it: the exception object (pickled beside Tune's
+    text copy in the trial's folder), else that text; None if neither can be read."""
+    import cloudpickle
+    try:
+        if trial.pickled_error_file and os.path.isfile(trial.pickled_error_file):
+            with open(trial.pickled_error_file, "rb") as fh:
+                return cloudpickle.load(fh)
+        if trial.error_file and os.path.isfile(trial.error_file):
+            with open(trial.error_file, encoding="utf-8", errors="replace") as fh:
+                return fh.read().rsplit("Failure # ", 1)[-1].split("\n", 1)[-1]
+    except Exception:  # diagnostics only: an unreadable record is an "unknown error"
+        pass
+    return None
 
 
 # ----------------------------------------------------------------------------- Tune's state files
@@ -332,21 +410,52 @@ def stop_reason(metrics: dict, error: bool, finished: bool = True) -> str:
 
 
 def error_line(err) -> str:
-    """One line for a trial's exception: a UserError's own message, else the last line."""
+    """One line for a trial's failure: a UserError's own message; otherwise the real exception's
+    type and the first line of its message. Ray wraps an exception raised in a trial in a
+    RayTaskError (its ``cause`` is the real one); a trial whose worker process died gets an
+    ActorDiedError, whose first line is completed by the worker's exit type."""
     if err is None:
         return "unknown error"
-    seen = set()
-    e = err
-    while e is not None and id(e) not in seen:
+    if isinstance(err, str):  # Tune's text copy of an error that could not be pickled
+        return _text_error_line(err)
+    real = err
+    while _is_task_error(real) and getattr(real, "cause", None) is not None:
+        real = real.cause
+    seen, e = set(), real
+    while e is not None and id(e) not in seen:  # a UserError anywhere in the chain says it best
         seen.add(id(e))
         if isinstance(e, UserError):
-            return str(e).splitlines()[0] if str(e) else type(e).__name__
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-    text = [line for line in str(err).splitlines() if line.strip()]
-    for line in reversed(text):
+            return _first_line(str(e)) or type(e).__name__
+        e = e.__cause__ or e.__context__
+    if _is_task_error(real):  # no cause to unwrap: the traceback's last line
+        return _text_error_line(str(real))
+    message = _first_line(str(real))
+    if isinstance(real, RunFailed):  # the round loop's advice to run --resume is not for a trial
+        message = message.split("; resume with:", 1)[0].split("; rerun with:", 1)[0]
+    exit_type = re.search(r"Worker exit type: (\w+)", str(real))
+    line = f"{type(real).__name__}: {message}" if message else type(real).__name__
+    if exit_type:
+        line += f" (worker exit type {exit_type.group(1)})"
+    return line[:300]
+
+
+def _is_task_error(err) -> bool:
+    return type(err).__name__.startswith("RayTaskError")
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _text_error_line(text: str) -> str:
+    """A traceback's text: its last ``Type: message`` line (the innermost exception)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
         if "UserError:" in line or "TrainingDiverged:" in line:
-            return line.split("Error:", 1)[1].strip()
-    return (text[-1] if text else type(err).__name__)[:300]
+            return line.split("Error:", 1)[1].strip()[:300]
+        if re.match(r"^[\w.]+(Error|Exception|Failed|Interrupt)\b.*?: ", line):
+            return line[:300]
+    return (lines[0] if lines else "unknown error")[:300]
 
 
 def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
@@ -367,6 +476,11 @@ def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
         config = config or configs.get(trial_id, {})
         finished = status in (None, "TERMINATED", "ERROR")
         run_dir = os.path.join(out, "trials", name)
+        if result.error is not None and "round" not in m:
+            # a worker killed between writing its ledger and reporting to Tune: the ledger's last
+            # round is what the trial got to (shown; an errored trial is never picked as best)
+            reports = (read_json(os.path.join(run_dir, "progress.json")) or {}).get("reports") or []
+            m = {**reports[-1], **m} if reports else m
         ledger = read_json(os.path.join(run_dir, "result.json")) or {}
         attempts = _read_int(os.path.join(run_dir, "attempts"), m.get("attempt", 0))
         row = {"trial": trial_number(name), "trial_id": trial_id,
@@ -397,6 +511,13 @@ def finish(spec: TuneSpec, rows: list[dict], out: str, echo=print) -> dict:
     counts = df["stop_reason"].value_counts().to_dict()
     echo("")
     echo(f"{len(df)} trials: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items()))
+    failed = df[df["stop_reason"] == "error"]
+    for _, row in failed.iterrows():
+        echo(f"  trial {int(row['trial'])} failed after {int(row['attempts'])} attempt"
+             f"{'s' if row['attempts'] != 1 else ''}: {row['error'] or 'unknown error'}")
+    if len(failed):
+        echo(f"  (Tune's full record: {os.path.join(_shown(out), EXPERIMENT, '<trial>', 'error.txt')}; "
+             "run the same command again to re-run failed trials from their last checkpoint)")
     unfinished = counts.get("unfinished", 0) + max(0, spec.trials - len(df))
     if best is not None:
         echo(f"best: trial {int(best['trial'])}, {spec.metric} = {best['objective']:.4f} "
@@ -426,6 +547,7 @@ def prepare_dir(out: str, spec: TuneSpec) -> bool:
     if os.path.isfile(rec_path):
         with open(rec_path, encoding="utf-8") as fh:
             old = yaml.safe_load(fh) or {}
+        old.setdefault("max_failures", record["max_failures"])  # searches begun before the key existed
         diff = _diff(old, record)
         if diff:
             raise UserError(f"{out} holds a different search ({'; '.join(diff[:4])}); rerun it with the "
@@ -469,12 +591,64 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _count_finished(out: str) -> int:
-    d = os.path.join(out, "trials")
-    if not os.path.isdir(d):
-        return 0
-    return sum(os.path.isfile(os.path.join(d, t, "result.json")) or os.path.isfile(os.path.join(d, t, "finished"))
-               for t in os.listdir(d))
+def saved_trials(exp_dir: str, out: str) -> list[dict]:
+    """The trials of Tune's newest saved experiment state: number, name and status, where a trial
+    saved as running counts as failed if the driver saw it fail for good, and as finished if its
+    run directory holds its result (it replays its reports)."""
+    groups = _state_groups(exp_dir)
+    if not groups:
+        return []
+    with open(os.path.join(exp_dir, f"experiment_state-{groups[-1]}.json"), encoding="utf-8") as fh:
+        state = json.load(fh)
+    trials = []
+    for trial_json, _ in state.get("trial_data", []):
+        t = json.loads(trial_json) if isinstance(trial_json, str) else trial_json
+        number = trial_number(t.get("experiment_tag", ""))
+        name = f"{number:03d}_{t.get('trial_id')}"
+        status, run_dir = t.get("status"), os.path.join(out, "trials", name)
+        if status not in ("TERMINATED", "ERROR"):
+            # Tune can save a trial that failed for good as still running (when its worker had died,
+            # Tune does not save the failed state): its ``finished`` record says so
+            if _read_text(os.path.join(run_dir, "finished")) == "error":
+                status = "ERROR"
+            elif os.path.isfile(os.path.join(run_dir, "result.json")):
+                status = "TERMINATED"
+        trials.append({"trial": number, "name": name, "status": status})
+    return sorted(trials, key=lambda t: t["trial"])
+
+
+def resume_plan(saved: list[dict], total: int, out: str) -> str:
+    """What a rerun runs, in one line: e.g. ``search complete: 12 trials; re-running 1 failed
+    trial (trial 7) from its last checkpoint``."""
+    failed = [t["trial"] for t in saved if t["status"] == "ERROR"]
+    interrupted = [t["trial"] for t in saved if t["status"] not in ("TERMINATED", "ERROR")]
+    done = len(saved) - len(failed) - len(interrupted)
+    to_sample = max(0, total - len(saved))
+    if not interrupted and not to_sample:
+        if not failed:
+            return f"search complete: {done} trials; nothing to re-run (rewriting its outputs)"
+        return (f"search complete: {len(saved)} trials; re-running {_trials_phrase(failed, 'failed')} "
+                f"{'from its' if len(failed) == 1 else 'each from its'} last checkpoint")
+    parts = [f"continuing {_trials_phrase(interrupted, 'interrupted')}" if interrupted else None,
+             f"re-running {_trials_phrase(failed, 'failed')}" if failed else None,
+             f"sampling {to_sample} more" if to_sample else None]
+    return (f"resuming the search in {out}: {done} of {total} trials finished; "
+            + ", ".join(p for p in parts if p) + (" (each from its last checkpoint)" if interrupted or failed else ""))
+
+
+def _trials_phrase(numbers: list[int], kind: str) -> str:
+    """``1 failed trial (trial 7)``, ``2 failed trials (trials 3, 7)``."""
+    many = len(numbers) != 1
+    return (f"{len(numbers)} {kind} trial{'s' if many else ''} "
+            f"(trial{'s' if many else ''} {', '.join(str(n) for n in numbers)})")
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
 
 
 def _read_int(path: str, default=0) -> int:
@@ -483,6 +657,12 @@ def _read_int(path: str, default=0) -> int:
             return int(fh.read().strip())
     except (OSError, ValueError):
         return int(default or 0)
+
+
+class _TrialFailureFilter(logging.Filter):
+    def filter(self, record) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Trial task failed for trial") or msg.startswith("Trials did not complete"))
 
 
 def _quiet() -> None:
@@ -496,6 +676,12 @@ def _quiet() -> None:
     except ImportError:  # pragma: no cover
         pass
     logging.getLogger("ray.tune").setLevel(logging.WARNING)
+    # a failed trial is one line of ours (its cause; retried or not) and its full traceback stays in
+    # Tune's error.txt: not Tune's logged traceback of every failure and its closing list
+    for name in ("ray.tune.execution.tune_controller", "ray.tune.tune"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _TrialFailureFilter) for f in log.filters):
+            log.addFilter(_TrialFailureFilter())
     # a restored trial that never reported has no result files yet; Tune warns about each
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="optuna")

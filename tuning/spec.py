@@ -22,8 +22,14 @@ from raysim.errors import UserError
 from raysim.tuning import space as sp
 from raysim.hparams import Space
 
-TUNE_KEYS = ("experiment", "name", "method", "metric", "mode", "trials", "max_concurrent", "sampler",
-             "scheduler", "space", "initial_points", "resources")
+TUNE_KEYS = ("experiment", "name", "method", "metric", "mode", "trials", "max_concurrent", "max_failures",
+             "sampler", "scheduler", "space", "initial_points", "resources")
+
+# A failed trial (its worker died, its node was lost, its federation raised) is retried this many
+# times by Tune (FailureConfig), each retry resuming the federation from its last checkpoint.
+# 2: a transient loss is survived twice over, while a failure that repeats (a bug, a trial that
+# cannot fit) costs at most three partial runs of one trial before the search moves on.
+MAX_FAILURES = 2
 
 # Metrics every trial reports after each evaluated round (``round`` is Tune's time axis).
 # Test metrics are never reported to Tune, so nothing can be selected on them.
@@ -51,6 +57,7 @@ class TuneSpec:
     mode: str = "max"
     trials: int = 8
     max_concurrent: int = 2
+    max_failures: int = MAX_FAILURES  # retries of a failed trial, each from its last checkpoint
     sampler: dict = field(default_factory=lambda: {"kind": "tpe", "seed": 0})
     scheduler: dict = field(default_factory=lambda: {"kind": "asha", "grace_period": 2, "reduction_factor": 2})
     initial_points: list = field(default_factory=list)
@@ -85,7 +92,8 @@ class TuneSpec:
     def record(self) -> dict:
         """Everything that defines the search (written to search.yaml, compared on resume)."""
         return {"name": self.name, "method": self.method, "metric": self.metric, "mode": self.mode,
-                "trials": self.trials, "max_concurrent": self.max_concurrent, "sampler": dict(self.sampler),
+                "trials": self.trials, "max_concurrent": self.max_concurrent, "max_failures": self.max_failures,
+                "sampler": dict(self.sampler),
                 "scheduler": dict(self.scheduler), "space": sp.as_jsonable(self.space),
                 "initial_points": [dict(p) for p in self.initial_points], "resources": dict(self.resources),
                 "experiment": copy.deepcopy(self.experiment)}  # as given: engine defaults may change
@@ -144,6 +152,7 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] | None
     spec = TuneSpec(
         name=name, method=method, experiment=experiment, space=space, metric=metric, mode=mode,
         trials=_positive_int(tune, "trials", 8), max_concurrent=_positive_int(tune, "max_concurrent", 2),
+        max_failures=_count(tune, "max_failures", MAX_FAILURES),
         sampler=_sampler(tune.get("sampler", "tpe")),
         scheduler=_scheduler(tune.get("scheduler", "asha"), cfg.rounds),
         resources=_resources(tune.get("resources")),
@@ -248,6 +257,13 @@ def _positive_int(tune: dict, key: str, default: int) -> int:
     value = tune.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"tune config key '{key}' = {value!r}: expected a positive integer")
+    return value
+
+
+def _count(tune: dict, key: str, default: int) -> int:
+    value = tune.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserError(f"tune config key '{key}' = {value!r}: expected an integer >= 0")
     return value
 
 

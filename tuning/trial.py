@@ -9,7 +9,10 @@ hosts, and Tune starts a trial only once its whole group fits.
 The trial reports after every evaluated round: ``round``, ``val_avg``/``val_all`` (latest),
 ``val_avg_best``/``val_all_best`` (running maxima), ``train_loss``. It keeps a ledger in its run
 directory (``progress.json`` per round, ``result.json`` when done): a search restored after an
-interruption replays a finished trial's reports instead of running its federation again.
+interruption replays a finished trial's reports instead of running its federation again. A trial
+started again (Tune's retry after a failure, a restored search, a rerun of a failed trial) continues
+its federation from the newest checkpoint in its run directory (``checkpoint.every``), or from
+round 0 without one; its earlier reports up to there stand.
 """
 from __future__ import annotations
 
@@ -115,14 +118,22 @@ def make_trainable(ctx: TrialContext, bundles: list[dict], strategy: str):
 class Tracker:
     """Per-round reports with running maxima."""
 
-    def __init__(self, rounds: int, attempt: int):
+    def __init__(self, rounds: int, attempt: int, earlier: list[dict] = ()):
+        """``earlier``: an earlier attempt's reports; those of rounds this attempt runs again
+        (it resumed from an older checkpoint, or from round 0) are dropped as it reaches them."""
         self.rounds, self.attempt = rounds, attempt
-        self.best = {"val_avg": -math.inf, "val_all": -math.inf}
-        self.reports: list[dict] = []
+        self.reports: list[dict] = [dict(r) for r in earlier]
         self.last_loss = math.nan
         self.last_round = 0
+        self._rebest()
+
+    def _rebest(self) -> None:
+        self.best = {k: max([r[k] for r in self.reports], default=-math.inf) for k in ("val_avg", "val_all")}
 
     def update(self, rnd: int, summary: dict, evaluation: dict | None) -> dict | None:
+        if self.reports and self.reports[-1]["round"] >= rnd:  # a round run again replaces its report
+            self.reports = [r for r in self.reports if r["round"] < rnd]
+            self._rebest()
         self.last_round = rnd
         self.last_loss = float(summary.get("train_loss", math.nan)) if summary else math.nan
         if not evaluation or "val" not in evaluation:
@@ -153,7 +164,7 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     """The Tune function: run one federation with ``params`` and report its evaluated rounds."""
     from ray import tune
     from raysim.config import load_config
-    from raysim.experiment import run_method
+    from raysim.experiment import federation
 
     run_dir = os.path.join(ctx.search_dir, "trials", tune.get_context().get_trial_name())
     done = read_json(os.path.join(run_dir, "result.json"))
@@ -163,6 +174,10 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
         return
     os.makedirs(run_dir, exist_ok=True)
     attempt = _bump_attempts(run_dir)
+    # A retry (Tune's FailureConfig, or a rerun of the search) continues the federation from its
+    # last checkpoint in the run directory (round 0 without one): its earlier rounds stand.
+    resume = attempt > 1
+    earlier = (read_json(os.path.join(run_dir, "progress.json")) or {}).get("reports", []) if resume else []
     raw = sp.apply_params(ctx.run_experiment, params)
     # The Server's CPUs are reserved in bundle 0; the actor itself asks for none so that Ray's
     # capture of child actors into the trial's group cannot put it on a host's bundle.
@@ -172,7 +187,7 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     sp.set_dotted(raw, "tracking.run_name", os.path.basename(run_dir))
     cfg = load_config(raw=raw)
     _write_placement(run_dir)
-    tracker = Tracker(cfg.rounds, attempt)
+    tracker = Tracker(cfg.rounds, attempt, earlier)
     t0 = time.time()
 
     def on_round(rnd, summary, evaluation):
@@ -182,10 +197,10 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
         write_json(os.path.join(run_dir, "progress.json"), {"params": params, "reports": tracker.reports})
         if rnd < cfg.rounds:
             tune.report(dict(report))  # blocks until Tune asks for more: a stopped trial ends here
-        # the last round is reported after run_method returns (so metrics.parquet gets written)
+        # the last round is reported after the federation returns (so metrics.parquet gets written)
 
     try:
-        run_method(cfg, run_dir, progress=False, on_round=on_round)
+        federation(cfg, run_dir, progress=False, on_round=on_round).run(resume=resume)
         stop = "completed"
     except UserError as err:
         if not str(err).startswith("training diverged"):
@@ -221,7 +236,7 @@ def _write_placement(run_dir: str) -> None:
         pg = get_current_placement_group()
         info = {"placement_group": pg.id.hex() if pg is not None else None,
                 "bundles": pg.bundle_specs if pg is not None else None,
-                "node": ray.get_runtime_context().get_node_id()}
+                "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         write_json(os.path.join(run_dir, "placement.json"), info)
     except Exception:  # diagnostics only
         pass

@@ -109,4 +109,28 @@ def test_error_line_finds_the_user_error():
             raise RuntimeError("wrapped") from inner
     except RuntimeError as err:
         assert error_line(err) == "data root not found: /nope"
-    assert error_line(ValueError("a\nb\nlast line")) == "last line"
+    # anything else: the real exception's type and the first line of its message
+    assert error_line(ValueError("first line\nb\nlast line")) == "ValueError: first line"
+
+
+def test_error_line_unwraps_ray_errors():
+    """A trial's exception reaches the driver wrapped in a RayTaskError (the real one is its cause;
+    its own text is Ray's traceback); Tune's text copy ends with the real one; a RunFailed's
+    advice to resume is the round loop's, not the trial's."""
+    from ray.exceptions import RayTaskError
+
+    from raysim.errors import RunFailed
+
+    try:
+        raise KeyError("boom")
+    except KeyError as cause:
+        wrapped = RayTaskError("ImplicitFunc.train", "Traceback ...\nKeyError: 'boom'", cause)
+    assert error_line(wrapped) == "KeyError: 'boom'"
+    assert error_line(wrapped.as_instanceof_cause()) == "KeyError: 'boom'"
+    assert error_line(RayTaskError("f", "Traceback (most recent call last):\n  x\nOSError: disk gone", None)) \
+        == "OSError: disk gone"
+    assert error_line("Traceback (most recent call last):\n  File x\nRuntimeError: bad state\n") \
+        == "RuntimeError: bad state"
+    assert error_line(RunFailed("the server actor was lost (died); resume with: raysim run --resume /x")) \
+        == "RunFailed: the server actor was lost (died)"
+    assert error_line(None) == "unknown error"

@@ -75,6 +75,8 @@ def test_a_methods_list_needs_one_method():
     (["metric=accuracy"], "expected one of val_avg_best"),
     (["mode=min"], "val_avg_best is always maximised"),
     (["trials=0"], "'trials' = 0: expected a positive integer"),
+    (["max_failures=-1"], "'max_failures' = -1: expected an integer >= 0"),
+    (["max_failures=1.5"], "'max_failures' = 1.5: expected an integer >= 0"),
     (["sampler=annealing"], "'sampler.kind' = 'annealing'"),
     (["scheduler=pbt"], "'scheduler.kind' = 'pbt'"),
     (["scheduler.reduction_factor=1"], "expected a number > 1"),
@@ -95,6 +97,13 @@ def test_mistakes_are_one_line_user_errors(overrides, fragment):
         spec_of(overrides)
     msg = str(err.value)
     assert fragment in msg and "\n" not in msg
+
+
+def test_max_failures_is_a_tune_key_recorded_with_the_search():
+    assert spec_of().max_failures == 2  # the default: see raysim.tuning.spec.MAX_FAILURES
+    spec = spec_of(["max_failures=0"])
+    assert spec.max_failures == 0 and spec.record()["max_failures"] == 0
+    assert spec.base_config().to_dict().get("max_failures") is None  # not an experiment key
 
 
 def test_initial_points_fill_in_the_experiment_values():
