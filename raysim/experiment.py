@@ -87,16 +87,18 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
     board = LiveBoard(title=f"raysim {cfg.name or '-'.join(names)}") if progress and jobs and live_terminal() else None
     if resume and not jobs and progress:
         print(f"raysim: every federation in {run_dir} has finished; its summary is rendered again", file=sys.stderr)
-    with ray_session(address or cfg.runtime.address, cfg.runtime):
-        quiet_worker_death_notices()
-        try:
-            if board is not None:
-                board.start()
-            results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board,
-                                       top=run_dir)
-        finally:
-            if board is not None:
-                board.stop()
+    results = []
+    if jobs:  # a finished run's rerun only renders its summary again: no Ray
+        with ray_session(address or cfg.runtime.address, cfg.runtime):
+            quiet_worker_death_notices()
+            try:
+                if board is not None:
+                    board.start()
+                results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board,
+                                           top=run_dir)
+            finally:
+                if board is not None:
+                    board.stop()
     try:
         text = report.render(run_dir)
     except WriteFailed as err:
