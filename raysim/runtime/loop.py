@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -340,6 +341,9 @@ class FederationRun:
             checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
                              keep=self.cfg.checkpoint.keep)
         except Exception as err:  # torch.save says "unexpected pos" where the disk is full
+            # no partial checkpoint left behind: it would hold the space a resume needs
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_dir(self.run_dir), f"round-{rnd:06d}.tmp"),
+                          ignore_errors=True)
             note = "" if isinstance(err, OSError) else free_space_note(checkpoint.checkpoint_dir(self.run_dir))
             raise WriteFailed(f"the checkpoint of round {rnd}", f"{describe(err)}{note}") from None
         self._ckpt_at = time.monotonic()
