@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/chaos.py                    # the quickstart's FedAvg, 20 rounds, 2 hosts
     .venv/bin/python benchmarks/chaos.py --out runs/chaos   # keep the run folders there
+    .venv/bin/python benchmarks/chaos.py --supervisor       # cluster/supervise.sh reruns the driver
 
 It runs ``raysim run CONFIG ... --out DIR`` twice: undisturbed, then under a kill schedule, by
 ``kill -9`` of the processes themselves, at the first time the run reports a round done:
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUND = re.compile(r"\bround (\d+)/(\d+)\b")
+DRIVER = re.compile(r"(-m raysim|/raysim) run\b")
 
 # (after round, what): at the first report of that round, kill it ~0.3 s later (mid next round)
 SCHEDULE = ((3, "host"), (6, "server"), (9, "host"), (12, "driver"), (15, "host"))
@@ -89,15 +91,23 @@ def actor_pids(driver: int, title: str) -> list[int]:
     return sorted(pid for pid, cmd in tree(driver) if cmd.startswith(f"ray::{title}"))
 
 
+def driver_pids(root: int) -> list[int]:
+    """The ``raysim run`` processes below ``root`` (a supervisor); Ray's own processes are not."""
+    return sorted(pid for pid, cmd in tree(root) if DRIVER.search(cmd) and not cmd.startswith(("bash", "/bin/")))
+
+
 def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3, env=None, echo=None,
-                    timeout_s: float = 1800) -> ChaosResult:
+                    timeout_s: float = 1800, supervised: bool = False) -> ChaosResult:
     """Run ``command`` (a ``raysim run ... --out DIR`` without --quiet: its progress lines say
     which round is done) and kill per ``schedule``; after the driver is killed, run the same
-    command again. Returns the kill log, the last driver's exit status and its stderr."""
+    command again. ``supervised``: ``command`` is a supervisor (``cluster/supervise.sh raysim run
+    ...``) that reruns the driver itself; the driver killed is the ``raysim run`` below it.
+    Returns the kill log, the last exit status and the stderr lines."""
     kills = [Kill(r, what) for r, what in schedule]
     pending = list(kills)
     t0 = time.monotonic()
     drivers, lines = 0, []
+    drivers_seen: set[int] = set()
     env = {**(env or os.environ), "PYTHONUNBUFFERED": "1"}
     while True:
         drivers += 1
@@ -110,13 +120,15 @@ def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3,
         def watch(proc=proc, exited=exited, seen=seen):  # every process the driver started
             while not exited.wait(0.5):
                 seen.update(tree(proc.pid))
+                if supervised:
+                    drivers_seen.update(driver_pids(proc.pid))
 
         threading.Thread(target=watch, daemon=True).start()
 
-        def fire(kill: Kill, proc=proc, driver_killed=driver_killed):
+        def fire(kill: Kill, proc=proc, driver_killed=driver_killed, seen=seen):
             time.sleep(delay_s)
             if kill.what == "driver":
-                victims = [proc.pid]
+                victims = driver_pids(proc.pid) if supervised else [proc.pid]
             else:
                 victims = actor_pids(proc.pid, "ClientHost" if kill.what == "host" else "Server")
                 victims = victims[-1:]  # one process: the last host (or the server)
@@ -126,10 +138,17 @@ def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3,
             kill.pid, kill.at_s = victims[0], time.monotonic() - t0
             if kill.what == "driver":
                 driver_killed.set()
+                drivers_seen.add(victims[0])
             try:
                 os.kill(victims[0], signal.SIGKILL)
             except ProcessLookupError:
                 kill.outcome = "already gone"
+            if kill.what == "driver" and supervised:
+                # what outlives a killed driver is not the last driver's to clean up: watch anew
+                # (its orphans leave the supervisor's tree once it is gone)
+                while _running(victims[0]):
+                    time.sleep(0.05)
+                seen.clear()
 
         for line in proc.stderr:
             line = line.rstrip("\n")
@@ -143,8 +162,12 @@ def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3,
                 for kill in [k for k in pending if k.after_round <= rnd]:
                     pending.remove(kill)
                     threading.Thread(target=fire, args=(kill,), daemon=True).start()
-                    if kill.what == "driver":  # nothing after it in this driver's life
+                    if kill.what == "driver" and not supervised:  # nothing after it in this driver's life
                         break
+            if supervised and "running it again" in line:
+                kill = next((k for k in kills if k.what == "driver" and k.pid and not k.outcome), None)
+                if kill is not None:
+                    kill.outcome = "the supervisor ran the same command again: " + line.split(": ", 1)[-1]
             if "lost in round" in line:
                 for kill in kills:
                     if kill.pid and not kill.outcome:
@@ -154,7 +177,9 @@ def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3,
                 proc.kill()
         rc = proc.wait()
         exited.set()
-        if driver_killed.is_set() and rc == -signal.SIGKILL:
+        if supervised:
+            drivers = len(drivers_seen)
+        elif driver_killed.is_set() and rc == -signal.SIGKILL:
             kill = next(k for k in kills if k.what == "driver")
             kill.outcome = f"driver exited {rc}; the same command started again"
             continue
@@ -190,6 +215,8 @@ def main(argv=None) -> int:
                         "checkpoints every 3 s by the time rule)")
     p.add_argument("--out", help="folder for the two runs (default: a temporary one, removed)")
     p.add_argument("--verbose", action="store_true", help="echo the runs' progress")
+    p.add_argument("--supervisor", action="store_true",
+                   help="run the driver under cluster/supervise.sh, which reruns it after the kill (else this script does)")
     ns = p.parse_args(argv)
     base = ns.out or tempfile.mkdtemp(prefix="raysim-chaos-")
     quiet, chaos = os.path.join(base, "undisturbed"), os.path.join(base, "chaos")
@@ -205,7 +232,12 @@ def main(argv=None) -> int:
     if undisturbed.returncode != 0:
         print(undisturbed.stderr[-3000:])
         return 1
-    result = run_under_chaos([*cmd, "--out", chaos], env=env, echo=echo)
+    if ns.supervisor:
+        env["RAYSIM_RETRY_DELAY"] = env.get("RAYSIM_RETRY_DELAY", "1")
+        result = run_under_chaos(["bash", str(ROOT / "cluster" / "supervise.sh"), *cmd, "--out", chaos], env=env,
+                                 echo=echo, supervised=True)
+    else:
+        result = run_under_chaos([*cmd, "--out", chaos], env=env, echo=echo)
     print(f"chaos run: {result.drivers} driver processes, last exit {result.returncode}, {result.seconds:.0f} s")
     print("kill log:")
     for k in result.kills:
