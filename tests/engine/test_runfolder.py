@@ -16,7 +16,7 @@ import yaml
 from raysim import experiment
 from raysim.cli import main
 from raysim.config import dump_yaml, load_config
-from raysim.errors import Interrupted, Terminated, UserError
+from raysim.errors import Interrupted, RunFailed, Terminated, UserError
 from raysim.runfolder import LOCK, LOCK_STALE_S, RunLock, holds_run_of
 from raysim.runtime import loop
 from raysim.runtime.backend import InProcess
@@ -201,6 +201,20 @@ def test_an_interrupt_exits_130_or_143_with_the_resume_hint_when_there_is_someth
     monkeypatch.setattr(experiment, "_run", in_a_round)
     assert main(["run", config, "--out", str(out), "--quiet"]) == 130
     assert one_line(capsys.readouterr().err).startswith("raysim: interrupted in round 3; resume with")
+
+
+def test_a_failed_write_exits_1_in_one_line(tmp_path, monkeypatch, capsys):
+    from raysim.runfolder import WriteFailed
+
+    def disk_full(*args, **kwargs):
+        raise RunFailed(f"{WriteFailed('x/metrics.parquet', OSError(28, 'No space left on device'))}; "
+                        "resume with: raysim run --resume x")
+
+    monkeypatch.setattr(experiment, "_run", disk_full)
+    assert main(["run", config_file(tmp_path), "--out", str(tmp_path / "run"), "--quiet"]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith("raysim: cannot write x/metrics.parquet: [Errno 28] No space left on device")
+    assert not (tmp_path / "run" / LOCK).exists()
 
 
 def test_report_on_a_metrics_file_missing_a_column_is_one_line(tmp_path, capsys):
