@@ -92,8 +92,19 @@ def actor_pids(driver: int, title: str) -> list[int]:
 
 
 def driver_pids(root: int) -> list[int]:
-    """The ``raysim run`` processes below ``root`` (a supervisor); Ray's own processes are not."""
-    return sorted(pid for pid, cmd in tree(root) if DRIVER.search(cmd) and not cmd.startswith(("bash", "/bin/")))
+    """The ``raysim run`` processes ``root`` (a supervisor) started: its children only (a child the
+    driver forks carries the driver's command line until it execs), and not the shell itself."""
+    return sorted(pid for pid, cmd in tree(root) if _parent(pid) == root and DRIVER.search(cmd)
+                  and not cmd.startswith(("bash", "/bin/")))
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run_under_chaos(command: list[str], schedule=SCHEDULE, delay_s: float = 0.3, env=None, echo=None,
