@@ -1,6 +1,9 @@
 """raysim command line: run, report, compare, methods, data show, data shard (tune lives in raysim.tuning).
 
-User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback.
+User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback. A run that
+stops for another reason (a failed write, a lost actor beyond runtime.max_restarts) prints one
+line with what is intact and how to resume, exit 1; Ctrl-C exits 130 and SIGTERM 143, with the
+resume hint when there is something to resume.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from raysim.errors import RunFailed, UserError
+from raysim.errors import Interrupted, RunFailed, Terminated, UserError
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -24,9 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="raysim", description="Federated learning under domain shift, simulated on Ray.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    run = sub.add_parser("run", help="run an experiment (default: configs/quickstart.yaml)")
+    run = sub.add_parser("run", help="run an experiment (default: configs/quickstart.yaml); rerun on the "
+                                     "same --out to continue it")
     run.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
-    run.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
+    run.add_argument("--out", help="run directory (default: runs/<name>-<time>); if it holds a run of the "
+                                   "same config, that run continues")
     run.add_argument("--address", help="Ray cluster address: auto, ray://host:port (default: local Ray)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
@@ -152,8 +157,18 @@ def cmd_tune(ns) -> int:
     return tune_main(path, overrides, out=ns.out, address=ns.address)
 
 
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM stops a run like Ctrl-C does
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         ns = _parser().parse_args(argv)
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "methods": cmd_methods,
@@ -161,12 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"raysim: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
+    except Interrupted as err:
+        print(f"raysim: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 128 + err.signal
     except RunFailed as err:
         print(f"raysim: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         print("raysim: interrupted", file=sys.stderr)
-        return 130
+        return 128 + getattr(err, "signal", 2)
+    except OSError as err:  # a write no part of raysim named (the run's own are WriteFailed)
+        from raysim.runfolder import describe
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        print(f"raysim: {describe(err)}{where}", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -109,11 +109,20 @@ class RuntimeConfig:
     # priority of any program you start (Ray's own default, 15, lets every other process on the
     # machine take the CPU from the simulation first); a cluster joined with --address keeps its own
     worker_niceness: int = setting(0, ge=0, le=19)
+    # a lost ClientHost or Server is replaced and the federation replays from its last checkpoint;
+    # this many in a row without progress (no round completed past the one that failed) end the run
+    max_restarts: int = setting(3, ge=0)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = setting(0, ge=0)  # write a checkpoint every k rounds (0: never)
+    """When a checkpoint is written: after every ``every``-th round, and after any round that ends
+    ``minutes`` of wall time after the last checkpoint (or the start), whichever comes first; either
+    bounds what a lost driver or server costs. The time rule stretches its interval to 20 times the
+    last checkpoint's write time, so checkpoints never take more than ~5% of a run (a 1M-client
+    checkpoint is GBs through the driver)."""
+    every: int = setting(0, ge=0)  # write a checkpoint every k rounds (0: by time only)
+    minutes: float | None = setting(10.0, gt=0)  # and at most this long after the last one (null: by rounds only)
     keep: int = setting(2, ge=1)  # keep the newest k checkpoints
 
 

@@ -16,6 +16,23 @@ class RunFailed(Exception):
     """
 
 
+class Interrupted(RunFailed):
+    """Ctrl-C (SIGINT) or SIGTERM stopped the run; the message says how to resume, if anything can be.
+
+    The CLI exits with code 130 (128 + SIGINT), or 143 after SIGTERM (``signal`` says which).
+    """
+
+    def __init__(self, message: str, signal: int = 2):
+        super().__init__(message)
+        self.signal = signal
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (scancel, a pod's termination, preemption), raised where Ctrl-C raises
+    KeyboardInterrupt, so every phase stops the same way; exit code 143."""
+    signal = 15
+
+
 class TrainingDiverged(UserError):
     """A client's loss became NaN or infinite: usually the learning rate is too high."""
 

@@ -8,14 +8,16 @@ A federation reports through callbacks: metrics.parquet (MetricsWriter), its pro
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
 from raysim.config import ExperimentConfig, dump_yaml, load_config
-from raysim.errors import RunFailed, UserError
+from raysim.errors import Interrupted, RunFailed, UserError
 from raysim.metrics import MetricsWriter
 from raysim.progress import LiveBoard, ProgressCallback, live_terminal
+from raysim.runfolder import RunLock, WriteFailed, has_progress, holds_run_of, writing
 from raysim.runtime.datashards import lodo_holdouts
 from raysim.runtime.loop import Callback, FederationRun, MethodRun, finished
 from raysim.tracking import log_report, tracking_callbacks
@@ -33,14 +35,37 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
         progress: bool = True, resume: bool = False) -> list[MethodRun]:
     """Run every method of ``cfg`` (once per seed of ``cfg.seeds``) on the same data; return one
     MethodRun per federation. With ``resume``, federations already finished are skipped and the
-    others continue from their last checkpoint."""
-    from raysim import report
-    from raysim.runtime.cluster import ray_session
+    others continue from their last checkpoint. ``out`` holding a run of this same config that got
+    somewhere resumes it too (so a supervisor reruns the same command); another config's run is
+    refused. One writer per folder: ``out/raysim.lock`` (raysim.runfolder.RunLock)."""
+    import ray
+
+    from raysim.runtime.cluster import no_leftover_ray_processes
 
     run_dir = out or default_run_dir(cfg)
-    os.makedirs(run_dir, exist_ok=True)
+    own_ray = not ray.is_initialized()  # a Ray node this call starts, and ends, itself (or a joined cluster)
+    try:
+        with writing(run_dir):
+            os.makedirs(run_dir, exist_ok=True)
+        with RunLock(run_dir), (no_leftover_ray_processes() if own_ray else contextlib.nullcontext()):
+            if not resume and holds_run_of(cfg, run_dir):
+                resume = True
+                if progress:
+                    print(f"raysim: {run_dir} holds a run of this config: continuing it", file=sys.stderr)
+            return _run(cfg, run_dir, address, progress, resume)
+    except KeyboardInterrupt as err:
+        hint = (f"; resume with: raysim run --resume {run_dir}" if os.path.isfile(os.path.join(run_dir, "config.yaml"))
+                and has_progress(run_dir) else "")
+        raise Interrupted(f"interrupted{hint}", signal=getattr(err, "signal", 2)) from None
+
+
+def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool) -> list[MethodRun]:
+    from raysim import report
+    from raysim.runtime.cluster import quiet_worker_death_notices, ray_session
+
     if not resume:
-        dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
+        with writing(os.path.join(run_dir, "config.yaml")):
+            dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     names, seeds = cfg.method_names(), cfg.seed_list()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
     jobs = []  # (config, run directory) of every federation: method x seed x held-out domain
@@ -60,15 +85,25 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     # on a terminal, one live table for every federation (rows updated in place, the final table
     # left on screen); otherwise plain progress lines
     board = LiveBoard(title=f"raysim {cfg.name or '-'.join(names)}") if progress and jobs and live_terminal() else None
-    with ray_session(address or cfg.runtime.address, cfg.runtime):
-        try:
-            if board is not None:
-                board.start()
-            results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board)
-        finally:
-            if board is not None:
-                board.stop()
-    text = report.render(run_dir)
+    if resume and not jobs and progress:
+        print(f"raysim: every federation in {run_dir} has finished; its summary is rendered again", file=sys.stderr)
+    results = []
+    if jobs:  # a finished run's rerun only renders its summary again: no Ray
+        with ray_session(address or cfg.runtime.address, cfg.runtime):
+            quiet_worker_death_notices()
+            try:
+                if board is not None:
+                    board.start()
+                results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board,
+                                           top=run_dir)
+            finally:
+                if board is not None:
+                    board.stop()
+    try:
+        text = report.render(run_dir)
+    except WriteFailed as err:
+        raise RunFailed(f"{err}; every federation finished and its metrics.parquet is intact; render the "
+                        f"summary again with: raysim report {run_dir}") from None
     log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
     if progress:
         print(text)
@@ -77,11 +112,13 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
 
 
 def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None,
-               show_seed: bool = False, backend=None, board: LiveBoard | None = None) -> FederationRun:
+               show_seed: bool = False, backend=None, board: LiveBoard | None = None,
+               top: str | None = None) -> FederationRun:
     """One federation with the driver's callbacks: metrics.parquet, a progress line (a row of
     ``board``, the driver's live table, if given), and ``on_round(round, summary, evaluation or
     None)`` if given (Tune reports through it).
-    ``backend=raysim.runtime.backend.InProcess()`` runs it without Ray actors (debugging)."""
+    ``backend=raysim.runtime.backend.InProcess()`` runs it without Ray actors (debugging).
+    ``top``: the folder the command was given, which its resume hints name (default ``run_dir``)."""
     holdout = (cfg.data.partition or {}).get("holdout")
     label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
     detail = ", ".join(([f"holdout {holdout}"] if holdout else []) + ([f"seed {cfg.seed}"] if show_seed else []))
@@ -90,7 +127,9 @@ def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True,
                  *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))
-    return FederationRun(cfg, run_dir, callbacks, backend)
+    fed = FederationRun(cfg, run_dir, callbacks, backend)
+    fed.resume_dir = top or run_dir
+    return fed
 
 
 class RoundFunction(Callback):
@@ -109,7 +148,7 @@ def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_ro
 
 
 def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False,
-                     board: LiveBoard | None = None) -> list[MethodRun]:
+                     board: LiveBoard | None = None, top: str | None = None) -> list[MethodRun]:
     """Run the federations one after another, or as many at once as the cluster fits: they are
     independent (every draw is keyed by seed, round and client), so the results are the same."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -118,14 +157,14 @@ def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool =
 
     slots = parallel_slots(jobs[0][0], len(jobs)) if jobs else 1
     if slots <= 1:
-        return [federation(one, sub, progress, show_seed=show_seed, board=board).run(resume=resume)
+        return [federation(one, sub, progress, show_seed=show_seed, board=board, top=top).run(resume=resume)
                 for one, sub in jobs]
     if progress and board is None:
         print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
 
     def one_federation(one, sub):
         result = federation(one, sub, "lines" if progress else False, show_seed=show_seed,
-                            board=board).run(resume=resume)
+                            board=board, top=top).run(resume=resume)
         if progress and board is None:  # on the live table, the row says so
             print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
                   file=sys.stderr)
@@ -139,8 +178,9 @@ def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool =
             if f in done and f.exception() is not None:
                 raise f.exception()
         return [f.result() for f in futures]
-    except KeyboardInterrupt:
-        raise RunFailed("interrupted; finished federations are kept: rerun with raysim run --resume RUN_DIR") from None
+    except KeyboardInterrupt as err:
+        hint = f"; resume with: raysim run --resume {top}" if top else ""
+        raise Interrupted(f"interrupted; finished federations are kept{hint}", signal=getattr(err, "signal", 2)) from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

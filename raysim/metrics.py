@@ -10,11 +10,14 @@ training loss are federation-level rows too.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from raysim.runfolder import writing
 
 COLUMNS = ("round", "client", "domain", "split", "metric", "value")
 SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
@@ -56,9 +59,17 @@ class MetricsLog:
         return list(zip(*(self._cols[c][i:] for c in COLUMNS)))
 
     def write(self, path: str) -> None:
+        """Into ``path.tmp``, renamed into place: a failed write leaves the previous file as it was
+        (and no ``.tmp``); its error is a one-line WriteFailed naming the file."""
         tmp = f"{path}.tmp"
-        pq.write_table(self.table(), tmp)
-        os.replace(tmp, path)
+        with writing(path):
+            try:
+                pq.write_table(self.table(), tmp)
+                os.replace(tmp, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
 
     # ------------------------------------------------------------------ rows from results
     def add_round(self, rnd: int, summary: dict, domain_of=None) -> None:

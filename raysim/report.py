@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from raysim.errors import UserError
-from raysim.metrics import read
+from raysim.metrics import COLUMNS, SCHEMA
+from raysim.runfolder import writing
 
 AGGREGATES = ("AVG", "ALL", "AVG_clients", "AVG_weighted")
 SELECT_LABELS = {
@@ -138,11 +139,24 @@ def _select_rule(run_dir: str) -> str:
 
 
 def _read(d: str) -> pd.DataFrame:
+    """A federation's metrics.parquet; a damaged file or one that is not raysim's long format
+    (a column missing or of another type) is one UserError line."""
+    import pyarrow.parquet as pq
+
     path = os.path.join(d, "metrics.parquet")
     try:
-        return read(path)
+        table = pq.read_table(path)
     except Exception as err:  # a corrupted or truncated file
         raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise UserError(f"{path} is not a raysim metrics file: it lacks the column(s) {', '.join(missing)} "
+                        f"(expected {', '.join(COLUMNS)})")
+    try:
+        return table.select(list(COLUMNS)).cast(SCHEMA).to_pandas()
+    except Exception as err:  # e.g. value stored as text
+        raise UserError(f"{path} is not a raysim metrics file: its columns do not convert to "
+                        f"{SCHEMA.to_string().replace(chr(10), ', ')} ({str(err).splitlines()[0]})") from None
 
 
 # ----------------------------------------------------------------------------- numbers -> cells
@@ -451,11 +465,14 @@ def render(run_dir: str) -> str:
         text = summary_markdown(runs, title)
         text += "".join(_method_sections(next(iter(seed_dirs(d).values()))) for d in dirs.values())
     text += _exchanges(dirs) + _beside_paper(run_dir)
-    tmp = os.path.join(run_dir, "summary.md.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, os.path.join(run_dir, "summary.md"))
-    plot_curves(panels, os.path.join(run_dir, "curves.png"))
+    summary = os.path.join(run_dir, "summary.md")
+    with writing(summary):
+        with open(summary + ".tmp", "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(summary + ".tmp", summary)
+    with writing(os.path.join(run_dir, "curves.png")):
+        plot_curves(panels, os.path.join(run_dir, "curves.png"))
     if any(_clock(df) is not None for frames in panels.values() for df in frames):
-        plot_time_curves(panels, os.path.join(run_dir, "curves_time.png"))
+        with writing(os.path.join(run_dir, "curves_time.png")):
+            plot_time_curves(panels, os.path.join(run_dir, "curves_time.png"))
     return text

@@ -34,6 +34,7 @@ import sys
 import time
 
 from raysim.errors import UserError
+from raysim.runfolder import writing
 from raysim.runtime.loop import Callback
 
 EVAL_SPLITS = ("val", "test")
@@ -136,18 +137,24 @@ def _summary_writer():
 
 
 class TensorBoardWriter(Callback):
-    """Per-round scalars and the config's hparams in ``<run_dir>/tb/``."""
+    """Per-round scalars and the config's hparams in ``<run_dir>/tb/``. Each round is recorded
+    once: a round replayed after a lost host or server (identical by construction) is skipped,
+    and a restarted driver's new event file hides what earlier ones logged from its first round on."""
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.logdir = cfg, os.path.join(run_dir, "tb")
         self._writer_cls = _summary_writer()
         self.writer = None
+        self.recorded = 0  # the last round written
 
     def on_start(self, run) -> None:
         done = run.log.last_round()  # > 0 when resumed from a checkpoint
-        # a resumed run's new event file hides what an earlier one logged from its first round on
-        self.writer = self._writer_cls(self.logdir, purge_step=done + 1 if done else None, flush_secs=30)
-        if not done:
+        earlier = os.path.isdir(self.logdir) and any(n.startswith("events.") for n in os.listdir(self.logdir))
+        with writing(self.logdir):
+            self.writer = self._writer_cls(self.logdir, purge_step=done + 1 if done or earlier else None,
+                                           flush_secs=30)
+        self.recorded = done
+        if not earlier:
             self._write_hparams()
 
     def _write_hparams(self) -> None:
@@ -162,17 +169,20 @@ class TensorBoardWriter(Callback):
             _warn(f"TensorBoard hparams not written ({_first_line(err)})")
 
     def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
-        if self.writer is None:
+        if self.writer is None or rnd <= self.recorded:  # a replayed round: recorded already
             return
-        for tag, value in round_scalars(log, rnd).items():
-            self.writer.add_scalar(tag, value, global_step=rnd)
-        if evaluation is not None:
-            self.writer.flush()
+        self.recorded = rnd
+        with writing(self.logdir):
+            for tag, value in round_scalars(log, rnd).items():
+                self.writer.add_scalar(tag, value, global_step=rnd)
+            if evaluation is not None:
+                self.writer.flush()
 
     def on_end(self, log) -> None:
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            with writing(self.logdir):
+                writer.close()
 
 
 # ----------------------------------------------------------------------------- MLflow
@@ -197,8 +207,10 @@ class MLflowLogger(Callback):
         self.uri = cfg.tracking.mlflow_uri
         self.client = _mlflow_client(self.uri)
         self.run_id = None
+        self.recorded = 0  # the last round logged (a replayed round is not logged twice)
 
     def on_start(self, run) -> None:
+        self.recorded = run.log.last_round()
         try:
             self._open(resumed=run.log.last_round() > 0)
         except UserError:
@@ -231,8 +243,9 @@ class MLflowLogger(Callback):
         self.client.log_batch(self.run_id, params=params, tags=[RunTag("raysim.config", "config.yaml")])
 
     def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
-        if self.run_id is None:
+        if self.run_id is None or rnd <= self.recorded:
             return
+        self.recorded = rnd
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

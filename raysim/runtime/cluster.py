@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 
 from raysim.errors import TrainingDiverged, UserError
+from raysim.runfolder import writing
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
@@ -222,10 +224,11 @@ def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
         hosts.append({**info, "node_ip": addresses.get(info.get("node_id")),
                       "client_range": [h, num_clients, len(ready)]})
     nodes = sorted({i.get("node_id") for i in ready if i.get("node_id")})
-    tmp = os.path.join(run_dir, "hosts.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
-    os.replace(tmp, os.path.join(run_dir, "hosts.json"))
+    path = os.path.join(run_dir, "hosts.json")
+    with writing(path):
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def ray_get(refs):
@@ -293,3 +296,115 @@ def parallel_slots(cfg, num_jobs: int) -> int:
         time.sleep(SLOT_SETTLE_S)
         fits = max(fits, fits_now())
     return max(1, min(fits, num_jobs))
+
+
+# ----------------------------------------------------------------------------- lost actors, leftovers
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_reason(err: BaseException) -> str:
+    """Why an actor is gone, in a few plain words: the innermost cause's reason and the process id
+    (Ray's text carries colour codes, the calling actor's repr and a paragraph of advice)."""
+    seen = set()
+    while getattr(err, "cause", None) is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = err.cause
+    text = _ANSI.sub("", str(err))
+    why = re.search(r"The actor is dead because ([^.\n]*)", text)
+    if why:
+        reason = why.group(1).strip()
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("ray::")]
+        reason = lines[0][:160] if lines else type(err).__name__
+    pid = re.search(r"\bpid[:=] ?(\d+)", text)
+    return f"{reason}, pid {pid.group(1)}" if pid else reason
+
+
+def quiet_worker_death_notices() -> None:
+    """Drop Ray's own "(raylet) A worker died or was killed ..." notice (a coloured paragraph on
+    stdout): the round loop says in one line which actor was lost and that it replaces it. Other
+    notices (out of memory, autoscaler) still print. A no-op if Ray's internals moved."""
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_raysim_quiet", False):
+        return
+
+    def print_to_stdstream(data, *args, **kwargs):
+        if data.get("pid") == "raylet" and all(
+                str(line).lstrip().startswith("A worker died or was killed") for line in data.get("lines", [])):
+            return
+        return original(data, *args, **kwargs)
+
+    print_to_stdstream._raysim_quiet = True
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+@contextlib.contextmanager
+def no_leftover_ray_processes():
+    """On leaving, end what is left of the Ray node started inside (the Ray processes among this
+    process's descendants that were not there on entering, nor below one that was). ``ray.shutdown``
+    stops them on a normal exit; a Ctrl-C inside ``ray.init`` leaves the dashboard and runtime-env
+    agents waiting ~60 s on a GCS that is gone. A driver that joined a cluster starts none."""
+    before = {pid for pid, _ in _descendants(os.getpid())}
+    try:
+        yield
+    finally:
+        stop_descendants(lambda cmd: "ray" in cmd, skip=before)
+
+
+def stop_descendants(match, skip=frozenset(), grace_s: float = 3.0) -> list[int]:
+    """SIGTERM this process's descendants whose command line ``match``es (none in ``skip`` or below
+    one), SIGKILL those still there after ``grace_s``; returns their pids (Linux /proc; elsewhere
+    nothing)."""
+    import signal
+
+    pids = [pid for pid, cmd in _descendants(os.getpid(), skip) if match(cmd)]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _descendants(root: int, skip=frozenset()) -> list[tuple[int, str]]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat", encoding="utf-8") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, stack = [], [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            if pid in skip:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            out.append((pid, cmd))
+            stack.append(pid)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -1,28 +1,37 @@
 """One federation's life: a Server actor, a host pool, the round loop, checkpoints and recovery.
 
 Everything said to the outside world goes through callbacks (:class:`Callback`): metrics files,
-progress lines, Tune reports. A lost ClientHost is replaced and the federation rolls back to its
-last checkpoint (or to round 0, which is always reproducible) and replays: every draw is keyed by
-(seed, round, client), so the metrics come out identical to an undisturbed run's.
+progress lines, Tune reports. A lost ClientHost or a lost Server is replaced and the federation
+rolls back to its last checkpoint (or to round 0, which is always reproducible) and replays: every
+draw is keyed by (seed, round, client), so the metrics come out identical to an undisturbed run's.
+Up to ``runtime.max_restarts`` losses in a row without progress are replaced; the count starts
+again once a round past the furthest one that failed completes (a fault window, not a run budget).
+
+Checkpoints: after every ``checkpoint.every``-th round and whenever ``checkpoint.minutes`` of wall
+time passed since the last one (the interval stretched to 20 x the last write's time), so a lost
+driver or server costs at most that much work.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 
 from raysim import checkpoint
 from raysim.config import dump_yaml, host_layout
-from raysim.errors import RunFailed
+from raysim.errors import Interrupted, RunFailed
 from raysim.metrics import MetricsLog
+from raysim.runfolder import WriteFailed, describe, free_space_note, intact, writing
 from raysim.runtime.backend import RayActors
 from raysim.runtime.balance import plan_for
-from raysim.runtime.cluster import first_line, owner_of
+from raysim.runtime.cluster import owner_of, plain_reason
 from raysim.runtime.seeding import SERVER, rng_for
 
-MAX_HOST_RESTARTS = 3
+CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
 
 
 @dataclass
@@ -35,6 +44,7 @@ class MethodRun:
     round_seconds: list[float]
     last_eval: dict
     host_restarts: int = 0
+    server_restarts: int = 0
 
 
 class Callback:
@@ -62,7 +72,10 @@ class FederationRun:
         self.hosts, self.pg = [], None
         self._unawaited = []  # start() refs of hosts launched before the server was ready
         self.log = MetricsLog()
-        self.host_restarts = 0
+        self.host_restarts = self.server_restarts = 0
+        self.faults = FaultWindow(cfg.runtime.max_restarts)
+        self.resume_dir = run_dir  # the folder ``raysim run --resume`` takes (a comparison's top folder)
+        self._ckpt_at, self._ckpt_seconds = time.monotonic(), 0.0  # the last checkpoint: when, how long
         # runtime.balance: how a round's clients are spread over the hosts (raysim.runtime.balance)
         self.plan = plan_for(cfg)
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
@@ -70,14 +83,16 @@ class FederationRun:
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> MethodRun:
         cfg = self.cfg
-        os.makedirs(self.run_dir, exist_ok=True)
-        if not resume or not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
-            dump_yaml(cfg, os.path.join(self.run_dir, "config.yaml"))
+        config_path = os.path.join(self.run_dir, "config.yaml")
+        with writing(config_path):
+            os.makedirs(self.run_dir, exist_ok=True)
+            if not resume or not os.path.isfile(config_path):
+                dump_yaml(cfg, config_path)
         t_start = time.perf_counter()
-        self.server = self.backend.server(cfg)
-        server_started = self.server.start.remote()
-        round_seconds, last_eval, rnd = [], {}, 0
+        round_seconds, last_eval, rnd, failure = [], {}, 0, None
         try:
+            self.server = self.backend.server(cfg)
+            server_started = self.server.start.remote()
             self._launch_hosts_early()
             self.info = self.backend.get(server_started)
             self.n = self.info["num_clients"]
@@ -89,31 +104,68 @@ class FederationRun:
             startup = time.perf_counter() - t_start
             for cb in self.callbacks:
                 cb.on_start(self)
+            self._ckpt_at = time.monotonic()
             while rnd <= cfg.rounds:
                 t0 = time.perf_counter()
                 try:
                     summary, evaluation = self._round(rnd)
-                except HostLost as lost:
+                    if self._checkpoint_due(rnd):
+                        self._checkpoint(rnd)
+                except ActorLost as lost:
                     rnd = self._recover(lost, rnd) + 1
                     continue
+                self.faults.completed(rnd)
                 last_eval = evaluation or last_eval
                 round_seconds.append(time.perf_counter() - t0)
-                if cfg.checkpoint.every and (rnd % cfg.checkpoint.every == 0) and rnd < cfg.rounds:
-                    self._checkpoint(rnd)
                 for cb in self.callbacks:
                     cb.on_round(rnd, summary, evaluation, self.log)
                 rnd += 1
             rnd = cfg.rounds
             _write_status(self.run_dir, finished=True, rounds=rnd, startup_seconds=startup,
-                          round_seconds=round_seconds, host_restarts=self.host_restarts)
-        except KeyboardInterrupt:
-            raise RunFailed(f"interrupted in round {rnd}; {self._resume_hint()}") from None
-        finally:
-            for cb in self.callbacks:
-                cb.on_end(self.log)
-            self._stop()
+                          round_seconds=round_seconds, host_restarts=self.host_restarts,
+                          server_restarts=self.server_restarts)
+        except BaseException as err:  # noqa: BLE001 -- mapped to one line, re-raised below
+            failure = self._failure(err, rnd)
+        self._end(failure)
+        if failure is not None:
+            raise failure
         return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
-                         last_eval, self.host_restarts)
+                         last_eval, self.host_restarts, self.server_restarts)
+
+    def _failure(self, err: BaseException, rnd: int) -> BaseException:
+        """What the run raises for ``err``: Ctrl-C and failed writes as one line with what is intact
+        and how to resume; anything else as it is."""
+        where = f"in round {rnd}" if rnd else "during start-up"
+        if isinstance(err, KeyboardInterrupt):
+            return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=getattr(err, "signal", 2))
+        if isinstance(err, self.backend.lost()):  # before the loop, where nothing replaces them
+            err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server))
+        if isinstance(err, ActorLost):
+            return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
+        if isinstance(err, OSError):  # a write no `writing(...)` named
+            err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
+        if isinstance(err, WriteFailed):
+            return RunFailed(f"{err}; {intact(self.run_dir)}; {self._resume_hint()}")
+        return err
+
+    def _end(self, failure: BaseException | None) -> None:
+        """The callbacks' on_end and the actors' end. After a failure, their own errors are dropped
+        (a full disk fails the metrics write again: the first error is the one to report)."""
+        first = None
+        for cb in self.callbacks:
+            try:
+                cb.on_end(self.log)
+            except Exception as err:
+                first = first or err
+        try:
+            self._stop()
+        except Exception as err:
+            first = first or err
+        if failure is None and first is not None:
+            mapped = self._failure(first, self.log.last_round())
+            if mapped is first:
+                raise first
+            raise mapped from None
 
     def _launch_hosts_early(self) -> None:
         """With runtime.num_hosts fixed, the pool starts while the server loads the data (about
@@ -141,6 +193,7 @@ class FederationRun:
         self._stop_hosts()
         if self.server is not None:
             self.backend.kill(self.server)
+            self.server = None
 
     # ------------------------------------------------------------------ one round
     def _round(self, rnd: int):
@@ -210,65 +263,130 @@ class FederationRun:
         return [host.end_round.remote(rnd) for host in self.hosts], returned
 
     def _call(self, refs):
-        """The results of ``refs``, telling a lost host (recoverable) from a lost server (resume later)."""
+        """The results of ``refs``; a lost server or host raises :class:`ActorLost` (recoverable)."""
         try:
             return self.backend.get(refs)
         except self.backend.lost() as err:
+            reason = plain_reason(err)
             if not self.backend.alive(self.server):
-                raise RunFailed(f"the server actor was lost ({first_line(err)}); {self._resume_hint()}") from None
+                raise ActorLost([], reason, server=True) from None
             dead = [h for h, actor in enumerate(self.hosts) if not self.backend.alive(actor)]
             if not dead:
                 raise
-            raise HostLost(dead, first_line(err)) from None
+            raise ActorLost(dead, reason) from None
 
     # ------------------------------------------------------------------ recovery and checkpoints
-    def _recover(self, lost: "HostLost", rnd: int) -> int:
-        """Replace the pool and roll back to the last checkpoint (or round 0); return its round."""
-        self.host_restarts += 1
-        if self.host_restarts > MAX_HOST_RESTARTS:
-            raise RunFailed(f"hosts {lost.hosts} lost in round {rnd} after {MAX_HOST_RESTARTS} restarts "
-                            f"({lost.reason}); {self._resume_hint()}")
-        _warn(f"raysim: warning: host(s) {lost.hosts} lost in round {rnd} ({lost.reason}); "
-              "restarting the pool and replaying from the last checkpoint")
-        self._stop_hosts()
-        self._start_hosts()
-        ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
-        if ckpt is None:
-            self.backend.get(self.server.reset.remote())
-        return self._restore(ckpt)
+    def _recover(self, lost: "ActorLost", rnd: int) -> int:
+        """Replace what was lost (the server, or the host pool), and the pool in any case (its
+        clients' state is ahead of the checkpoint); roll back to the last checkpoint (or round 0)
+        and return its round."""
+        while True:
+            if not self.faults.failed(rnd):
+                raise RunFailed(f"{lost.what} was lost in round {rnd} ({lost.reason}), {self.faults.count} times "
+                                f"without progress (runtime.max_restarts = {self.faults.limit}); "
+                                f"{self._resume_hint()}")
+            ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
+            start = f"the checkpoint of round {ckpt['round']}" if ckpt else "round 1"
+            _warn(f"raysim: warning: {lost.what} was lost in round {rnd} ({lost.reason}); replacing it and "
+                  f"replaying from {start} (restart {self.faults.count} of {self.faults.limit})")
+            try:
+                self._stop_hosts()
+                if lost.server:
+                    self.server_restarts += 1
+                    self.backend.kill(self.server)
+                    self.server = self.backend.server(self.cfg)
+                    self._call(self.server.start.remote())
+                else:
+                    self.host_restarts += 1
+                    if ckpt is None:
+                        self._call(self.server.reset.remote())
+                self._start_hosts()
+                return self._restore(ckpt)
+            except ActorLost as again:  # lost again while replacing: the same fault window
+                lost = again
+            except self.backend.lost() as err:
+                lost = ActorLost([], plain_reason(err), server=not self.backend.alive(self.server))
+
+    def _checkpoint_due(self, rnd: int) -> bool:
+        c = self.cfg.checkpoint
+        if rnd >= self.cfg.rounds:  # the finished run needs none
+            return False
+        if c.every and rnd % c.every == 0:
+            return True
+        if c.minutes is None:
+            return False
+        return time.monotonic() - self._ckpt_at >= max(c.minutes * 60, CHECKPOINT_COST_CAP * self._ckpt_seconds)
 
     def _restore(self, ckpt: dict | None) -> int:
         self.state_bytes = {}
         if ckpt is None:
             self.log = MetricsLog()
             return 0
-        self.backend.get(self.server.load_state.remote(ckpt["server"]))
+        self._call(self.server.load_state.remote(ckpt["server"]))
         by_host: dict[int, dict] = {}
         for cid, record in ckpt["clients"].items():
             by_host.setdefault(self.owner(cid), {})[cid] = record
-        for sizes in self.backend.get([self.hosts[h].import_states.remote(records) for h, records in by_host.items()]):
+        for sizes in self._call([self.hosts[h].import_states.remote(records) for h, records in by_host.items()]):
             self.state_bytes.update(sizes)
         self.log = MetricsLog.from_table(ckpt["metrics"])
         return ckpt["round"]
 
     def _checkpoint(self, rnd: int) -> None:
+        t0 = time.monotonic()
         server_state = self._call(self.server.export_state.remote())
         clients = {}
         for part in self._call([h.export_states.remote() for h in self.hosts]):
             clients.update(part)
-        checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
-                         keep=self.cfg.checkpoint.keep)
+        try:
+            checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
+                             keep=self.cfg.checkpoint.keep)
+        except Exception as err:  # torch.save says "unexpected pos" where the disk is full
+            # no partial checkpoint left behind: it would hold the space a resume needs
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_dir(self.run_dir), f"round-{rnd:06d}.tmp"),
+                          ignore_errors=True)
+            note = "" if isinstance(err, OSError) else free_space_note(checkpoint.checkpoint_dir(self.run_dir))
+            raise WriteFailed(f"the checkpoint of round {rnd}", f"{describe(err)}{note}") from None
+        self._ckpt_at = time.monotonic()
+        self._ckpt_seconds = self._ckpt_at - t0
 
     def _resume_hint(self) -> str:
-        if self.cfg.checkpoint.every and checkpoint.list_rounds(self.run_dir):
-            return f"resume with: raysim run --resume {self.run_dir}"
-        return f"rerun with: raysim run --resume {self.run_dir} (no checkpoint yet: it restarts from round 1)"
+        if checkpoint.list_rounds(self.run_dir):
+            return f"resume with: raysim run --resume {self.resume_dir}"
+        return f"rerun with: raysim run --resume {self.resume_dir} (no checkpoint yet: it restarts from round 1)"
 
 
-class HostLost(Exception):
-    def __init__(self, hosts: list[int], reason: str):
-        super().__init__(f"hosts {hosts} lost: {reason}")
-        self.hosts, self.reason = hosts, reason
+class FaultWindow:
+    """The restart budget: ``limit`` losses in a row without progress. A loss in round r counts;
+    the count starts again once a round at or past the furthest round that failed completes (the
+    replay caught up and went on). So a long run survives any number of separate faults, and a
+    round that fails every time ends the run after ``limit`` replacements."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.furthest = limit, 0, 0
+
+    def failed(self, rnd: int) -> bool:
+        """Count a loss in round ``rnd``; whether the budget allows replacing it."""
+        self.count += 1
+        self.furthest = max(self.furthest, rnd)
+        return self.count <= self.limit
+
+    def completed(self, rnd: int) -> None:
+        if rnd >= self.furthest:
+            self.count = 0
+
+
+class ActorLost(Exception):
+    """The Server (``server``) or ClientHosts (``hosts``) died; the round loop replaces them."""
+
+    def __init__(self, hosts: list[int], reason: str, server: bool = False):
+        self.hosts, self.reason, self.server = hosts, reason, server
+        if server:
+            self.what = "the Server"
+        elif hosts:
+            self.what = ("ClientHost " if len(hosts) == 1 else "ClientHosts ") + ", ".join(map(str, hosts))
+        else:
+            self.what = "a ClientHost"
+        super().__init__(f"{self.what} lost: {reason}")
 
 
 def finished(run_dir: str) -> bool:
@@ -304,10 +422,17 @@ def split_by_host(client_ids, owner) -> dict[int, list[int]]:
 
 
 def _write_status(run_dir: str, **status) -> None:
-    tmp = os.path.join(run_dir, "status.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(status, fh)
-    os.replace(tmp, os.path.join(run_dir, "status.json"))
+    path = os.path.join(run_dir, "status.json")
+    with writing(path):
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(status, fh)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
 
 def _warn(text: str) -> None:

@@ -4,6 +4,7 @@ method's aggregator (in host order: see raysim.aggregation) and runs the method'
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -131,6 +132,10 @@ class Server:
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:
         return True
+
+    def ready(self) -> dict:
+        """Where the server runs (its process id: what a chaos test kills)."""
+        return {"pid": os.getpid()}
 
     def export_state(self) -> dict:
         return self.state

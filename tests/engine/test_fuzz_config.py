@@ -15,8 +15,8 @@ KEYS = {
               "weighting", "lr_schedule"],
     "eval": ["every", "protocol", "holdout", "splits", "clients"],
     "runtime": ["num_hosts", "clients_per_host", "cpus_per_host", "gpus_per_host", "server_cpus",
-                "torch_threads", "state_memory_mb", "spill_dir", "address", "pg_timeout_s", "gpus"],
-    "checkpoint": ["every", "keep"],
+                "torch_threads", "state_memory_mb", "spill_dir", "address", "pg_timeout_s", "max_restarts", "gpus"],
+    "checkpoint": ["every", "minutes", "keep"],
     "hp": ["fedprox", "fedavg", "fedbn", "nosuch"],
 }
 

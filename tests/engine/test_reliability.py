@@ -1,20 +1,29 @@
-"""Checkpoints, resume, and a host lost mid-round: the metrics must equal an undisturbed run's."""
+"""Checkpoints, resume, a host or the server lost mid-round, the driver killed, a full disk: the
+metrics must equal an undisturbed run's, and nobody has to step in."""
+import errno
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from raysim import checkpoint
+from raysim.cli import main
 from raysim.config import load_config
-from raysim.errors import RunFailed, UserError
+from raysim.errors import Interrupted, RunFailed, UserError
 from raysim.experiment import federation, resume_config
 from raysim.metrics import MetricsLog
+from raysim.runtime.backend import InProcess
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from benchmarks.chaos import ROUND, run_under_chaos  # noqa: E402
 
 BASE = {
     "method": "fedbn", "rounds": 6, "seed": 7,
@@ -35,10 +44,15 @@ def metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def undisturbed(ray_session, tmp_path_factory):
+def undisturbed_dir(ray_session, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("undisturbed"))
     federation(cfg(), out, progress=False).run()
-    return metrics(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def undisturbed(undisturbed_dir):
+    return metrics(undisturbed_dir)
 
 
 def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
@@ -48,56 +62,200 @@ def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
         if rnd == 3:
             raise KeyboardInterrupt
 
-    with pytest.raises(RunFailed, match=r"interrupted in round 3; resume with: raysim run --resume"):
+    with pytest.raises(Interrupted, match=r"^interrupted in round 3; resume with: raysim run --resume \S+$"):
         federation(cfg(), out, progress=False, on_round=stop_after_round_3).run()
     assert checkpoint.list_rounds(out) == [2]
     federation(resume_config(out, []), out, progress=False).run(resume=True)
     assert metrics(out).equals(undisturbed)
 
 
-def test_driver_process_killed_after_round_3_resumes_to_identical_metrics(undisturbed, tmp_path):
-    """The real thing: ``raysim run`` in its own process, SIGKILLed once round 3's checkpoint is on
-    disk (no handler runs), then ``raysim run --resume`` in a fresh process."""
+def test_chaos_under_the_cluster_supervisor_hosts_server_and_driver_killed_recover_identical_metrics(
+        undisturbed, tmp_path):
+    """benchmarks/chaos.py, short, with cluster/supervise.sh (what raysim.sbatch runs the driver
+    under) as the supervisor: ``supervise.sh raysim run CONFIG --out DIR``; kill -9 a ClientHost
+    (after round 1), the Server (after round 3), the driver itself (after round 4): the supervisor
+    runs the same command again, which takes over the dead driver's lock and continues from its
+    checkpoint. Real processes, no mocks, no --resume, nobody steps in; the metrics equal the
+    undisturbed run's, and nothing of the last driver's Ray is left running."""
     import yaml
 
     config, out = tmp_path / "run.yaml", tmp_path / "run"
     config.write_text(yaml.safe_dump({**BASE, "checkpoint": {"every": 1, "keep": 2}}))
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAYSIM_RETRY_DELAY": "0"}
+    command = ["bash", os.path.join(REPO, "cluster", "supervise.sh"), sys.executable, "-m", "raysim", "run",
+               str(config), "--out", str(out)]
+    result = run_under_chaos(command, schedule=((1, "host"), (3, "server"), (4, "driver")), env=env,
+                             timeout_s=400, supervised=True)
+    log = "\n".join(result.stderr[-30:])
+    assert result.returncode == 0, log
+    assert [k.pid is not None for k in result.kills] == [True] * 3, result.kills
+    assert result.drivers == 2, log
+    lost = [ln for ln in result.stderr if " was lost in round " in ln]
+    assert len(lost) == 2 and "ClientHost 1 was lost in round 2" in lost[0] and "the Server was lost" in lost[1], log
+    assert all("\x1b" not in ln and "object at 0x" not in ln for ln in lost)  # plain words
+    assert any("the command exited with status 137 (try 1 of 10); running it again" in ln
+               for ln in result.stderr), log
+    assert any("taking over" in ln and "which is gone" in ln for ln in result.stderr), log  # the dead driver's lock
+    assert any("holds a run of this config: continuing it" in ln for ln in result.stderr), log
+    restart = next(i for i, ln in enumerate(result.stderr) if "running it again" in ln)
+    rounds_after = [int(m.group(1)) for ln in result.stderr[restart:] if (m := ROUND.search(ln))]
+    assert rounds_after and min(rounds_after) >= 4, log  # it went on from its checkpoint, not from scratch
+    assert not result.leftover, result.leftover
+    assert metrics(str(out)).equals(undisturbed)
+
+
+def test_ctrl_c_in_a_round_exits_130_with_the_resume_hint_and_leaves_no_ray_behind(tmp_path):
+    """The real thing: SIGINT (what Ctrl-C sends to the foreground process group) to ``raysim run``
+    once round 1's checkpoint is on disk: one line with the resume command, exit 130, and no
+    process the driver started (Ray's agents included) outlives it."""
+    import time
+
+    import yaml
+
+    from benchmarks.chaos import _running, tree
+
+    config, out = tmp_path / "run.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump({**BASE, "rounds": 4, "checkpoint": {"every": 1},
+                                      "runtime": {"num_hosts": 1, "cpus_per_host": 1}}))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "raysim", "run", "--quiet"]
-    driver = subprocess.Popen([*cmd, str(config), "--out", str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    marker = out / "checkpoints" / "round-000003"
-    deadline = time.monotonic() + 240
-    while not marker.exists() and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), driver.stderr.read() if driver.poll() is not None else "no round-3 checkpoint"
-    driver.send_signal(signal.SIGKILL)
-    driver.wait(timeout=30)
-    assert driver.returncode == -signal.SIGKILL  # it was still running: killed, not finished
-    assert not (out / "metrics.parquet").exists() or len(metrics(out)) < len(undisturbed)
+    with open(tmp_path / "stderr", "w") as err:  # a file: a lingering Ray daemon would hold a pipe open
+        driver = subprocess.Popen([sys.executable, "-m", "raysim", "run", "--quiet", str(config), "--out", str(out)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    seen = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "round-000001").exists() and driver.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            seen.update(tree(driver.pid))
+            time.sleep(0.05)
+        seen.update(tree(driver.pid))
+        os.killpg(driver.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C does
+        rc = driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    text = (tmp_path / "stderr").read_text()
+    assert rc == 130, text
+    assert re.fullmatch(rf"raysim: interrupted( in round \d)?; resume with: raysim run --resume {out}",
+                        text.splitlines()[-1]), text
+    assert "Traceback" not in text, text
+    deadline = time.monotonic() + 10
+    while (left := [c[:80] for pid, c in seen.items() if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, left
 
-    resumed = subprocess.run([*cmd, "--resume", str(out)], env=env, capture_output=True, text=True,
-                             timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
-    assert max(checkpoint.list_rounds(str(out))) > 3  # it went on from round 3, not from scratch
-    assert metrics(out).equals(undisturbed)
 
-
-def test_host_killed_mid_round_is_replaced_and_metrics_are_identical(undisturbed, tmp_path):
+def test_host_and_server_killed_mid_round_are_replaced_and_metrics_are_identical(undisturbed, tmp_path):
     import ray
 
-    killed = []
+    killed = {}
 
-    def kill_a_host_during_round_4(rnd, summary, evaluation):
-        if rnd == 3 and not killed:  # once: the replay passes round 3 again
-            pid = ray.get(fed.hosts[1].ready.remote())["pid"]
-            threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
-            killed.append(pid)
+    def kill(rnd, summary, evaluation):
+        # once each (the replays pass these rounds again): a host during round 4, the server during 5
+        for at, who in ((3, "host"), (4, "server")):
+            if rnd == at and who not in killed:
+                actor = fed.hosts[1] if who == "host" else fed.server
+                killed[who] = ray.get(actor.ready.remote())["pid"]
+                threading.Timer(0.3, os.kill, (killed[who], signal.SIGKILL)).start()
 
-    fed = federation(cfg(), str(tmp_path / "run"), progress=False, on_round=kill_a_host_during_round_4)
+    fed = federation(cfg(), str(tmp_path / "run"), progress=False, on_round=kill)
     result = fed.run()
-    assert result.host_restarts == 1
+    assert (result.host_restarts, result.server_restarts) == (1, 1)
     assert metrics(fed.run_dir).equals(undisturbed)
+
+
+def test_the_same_command_on_a_finished_run_renders_it_again(undisturbed_dir, tmp_path, capsys):
+    """Rerunning a finished run (or --resume on it) starts no federation and no Ray."""
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(BASE))
+    before = metrics(undisturbed_dir)
+    assert main(["run", str(config), "--out", undisturbed_dir]) == 0
+    assert "has finished; its summary is rendered again" in capsys.readouterr().err
+    assert main(["run", "--resume", undisturbed_dir, "--quiet"]) == 0
+    assert os.path.isfile(os.path.join(undisturbed_dir, "summary.md"))
+    assert metrics(undisturbed_dir).equals(before)
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """(folder, fill, free): a 16 MiB tmpfs where this machine lets the suite mount one (root), else
+    a folder whose writes raise OSError(ENOSPC) while "full" (torch.save and Parquet writes)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                             capture_output=True).returncode == 0
+    filler = mnt / "filler"
+    full = []
+    if mounted:
+        def fill():
+            with open(filler, "wb") as fh:
+                try:
+                    while True:
+                        fh.write(b"\0" * 2**20)
+                        fh.flush()
+                except OSError:
+                    pass
+
+        def free():
+            filler.unlink()
+    else:
+        import pyarrow.parquet
+
+        def enospc(original):
+            def write(*args, **kwargs):
+                if full:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return original(*args, **kwargs)
+            return write
+
+        monkeypatch.setattr(pyarrow.parquet, "write_table", enospc(pyarrow.parquet.write_table))
+        monkeypatch.setattr(torch, "save", enospc(torch.save))
+        fill, free = (lambda: full.append(1)), full.clear
+    yield mnt, fill, free
+    if mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def leftovers(run_dir):
+    return [os.path.join(d, n) for d, dirs, files in os.walk(run_dir) for n in dirs + files if n.endswith(".tmp")]
+
+
+def test_a_full_disk_is_one_line_with_what_is_intact_and_the_folder_resumes(small_disk):
+    """The disk fills after round 2 (its checkpoint is written): round 3's metrics write fails; after
+    a resume it fills again after round 3: round 4's checkpoint fails. Each time one line with the
+    original error, what is intact and the resume command, and the first error is the one said
+    (the metrics write at the end fails too). Then a resume finishes the run."""
+    mnt, fill, free = small_disk
+    out = str(mnt / "run")
+    c = cfg("rounds=5", "data.partition.train_size=16", "runtime.num_hosts=1")
+
+    def filling_after(at):
+        return lambda rnd, summary, evaluation: fill() if rnd == at else None
+
+    def run(resume, at):
+        return federation(c, out, progress=False, on_round=filling_after(at), backend=InProcess()).run(resume=resume)
+
+    with pytest.raises(RunFailed) as failed:
+        run(False, 2)
+    text = str(failed.value)
+    assert leftovers(out) == []
+    assert "\n" not in text and text == (
+        f"cannot write {out}/metrics.parquet: [Errno 28] No space left on device; the checkpoint of round 2 is "
+        f"intact, metrics.parquet holds rounds up to 2; resume with: raysim run --resume {out}")
+    free()
+    with pytest.raises(RunFailed) as failed:
+        run(True, 3)
+    text = str(failed.value)
+    assert "\n" not in text and text.startswith("cannot write the checkpoint of round 4: ") and \
+        "o space left on device" in text and text.endswith(
+        f"; the checkpoint of round 2 is intact, metrics.parquet holds rounds up to 3; resume with: raysim run "
+        f"--resume {out}")
+    assert leftovers(out) == []  # the partial round-000004.tmp is gone
+    free()
+    run(True, None)
+    assert sorted(set(metrics(out)["round"])) == [1, 2, 3, 4, 5]
 
 
 def test_resume_refuses_a_changed_config(tmp_path):

@@ -1,0 +1,229 @@
+"""The run folder's guards, without Ray: one writer per folder, a rerun on a folder of another
+config refused, the restart budget per fault window, checkpoints by rounds or by minutes, a lost
+actor's reason in plain words, interrupts' exit codes, and a metrics.parquet of the wrong shape in
+`raysim report`."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from raysim import experiment
+from raysim.cli import main
+from raysim.config import dump_yaml, load_config
+from raysim.errors import Interrupted, RunFailed, Terminated, UserError
+from raysim.runfolder import LOCK, LOCK_STALE_S, RunLock, holds_run_of
+from raysim.runtime import loop
+from raysim.runtime.backend import InProcess
+from raysim.runtime.cluster import plain_reason
+
+BASE = {
+    "method": "fedbn", "rounds": 6, "seed": 7,
+    "data": {"dataset": "digits5", "partition": {"kind": "per_domain", "train_size": 48}},
+    "model": {"name": "small_cnn"},
+    "train": {"batch_size": 16, "lr": 0.05, "momentum": 0.9},
+    "runtime": {"num_hosts": 2, "cpus_per_host": 1},
+}
+
+
+def config_file(tmp_path, name="run.yaml", **top):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump({**BASE, **top}))
+    return str(path)
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- one writer
+
+def test_a_second_writer_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = config_file(tmp_path)
+    with RunLock(str(out)):
+        dump_yaml(load_config(config), out / "config.yaml")
+        holder = json.loads((out / LOCK).read_text())
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        for argv in (["run", config, "--out", str(out)], ["run", "--resume", str(out)]):
+            assert main(argv) == 2
+            err = one_line(capsys.readouterr().err)
+            assert f"{out} is being written by another raysim (pid {os.getpid()} on {socket.gethostname()}" in err
+    assert not (out / LOCK).exists()  # released on leaving
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_warning(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = socket.gethostname()
+
+    def take(holder, age_s=0.0):
+        (out / LOCK).write_text(json.dumps(holder))
+        os.utime(out / LOCK, (os.path.getmtime(out / LOCK) - age_s,) * 2)
+        warnings = []
+        with RunLock(str(out), warn=warnings.append):
+            assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+        return warnings
+
+    # same host, its pid gone
+    assert "which is gone" in take({"pid": gone.pid, "host": here, "since": "then"})[0]
+    # same host, the pid alive but another process (reused): its start time differs
+    assert "belongs to another process" in take({"pid": os.getppid(), "host": here, "started": -1})[0]
+    # another host: refused while it refreshes the lock, taken over once it stopped
+    (out / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "since": "then"}))
+    with pytest.raises(UserError, match="being written by another raysim .*node-elsewhere.* taken over after"):
+        RunLock(str(out)).__enter__()
+    assert "not refreshed for" in take({"pid": 1, "host": "node-elsewhere"}, age_s=LOCK_STALE_S + 5)[0]
+    # the same Slurm job, requeued onto another node
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    warned = take({"pid": 1, "host": "node7", "slurm_job": "4242", "slurm_restart": 0})
+    assert "Slurm job 4242 before it was requeued" in warned[0]
+    # a live holder on this host is never taken over
+    (out / LOCK).write_text(json.dumps({"pid": os.getppid(), "host": here}))
+    with pytest.raises(UserError, match=f"pid {os.getppid()}"):
+        RunLock(str(out)).__enter__()
+
+
+# ----------------------------------------------------------------------------- the same command resumes
+
+def test_a_rerun_on_a_folder_of_another_config_is_refused_naming_what_differs(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    ran = load_config(raw=BASE)
+    dump_yaml(ran.for_method("fedbn"), out / "config.yaml")  # what a one-method federation records
+    assert not holds_run_of(load_config(raw=BASE, overrides=["train.lr=0.1"]), str(out))  # nothing ran: no run
+    pq.write_table(pa.table({"round": [1]}), out / "metrics.parquet")
+    assert holds_run_of(load_config(raw={**BASE, "method": None, "methods": ["fedbn"]}), str(out))
+    assert holds_run_of(load_config(raw=BASE, overrides=["runtime.num_hosts=1"]), str(out))  # where it runs may change
+    assert main(["run", config_file(tmp_path), "train.lr=0.1", "seed=8", "--out", str(out)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"--out {out} holds a run of another config (seed: 7 there, 8 here; train.lr: 0.05 there, 0.1 here)" in err
+    assert f"raysim run --resume {out}" in err
+    assert not (out / LOCK).exists()
+
+
+# ----------------------------------------------------------------------------- restarts and checkpoints
+
+def test_the_restart_budget_is_per_fault_window():
+    faults = loop.FaultWindow(3)
+    for rnd in (4, 9, 14, 18, 19):  # five losses far apart (the old budget ended the run at the 4th)
+        assert faults.failed(rnd)
+        for replayed in range(rnd - 2, rnd + 1):  # the replay from a checkpoint two rounds back
+            faults.completed(replayed)
+    assert faults.count == 0
+    assert [faults.failed(7) for _ in range(4)] == [True, True, True, False]  # round 7 fails every time
+    faults = loop.FaultWindow(2)
+    assert faults.failed(7)
+    faults.completed(5)  # replayed rounds before the failure are no progress
+    faults.completed(6)
+    assert faults.failed(6)  # lost again while replaying: the same window
+    assert not faults.failed(7)
+
+
+def test_a_checkpoint_is_due_every_k_rounds_or_after_minutes(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: now[0])
+
+    def fed(*overrides):
+        run = loop.FederationRun(load_config(raw=BASE, overrides=["rounds=50", *overrides]), str(tmp_path),
+                                 backend=InProcess())
+        run._ckpt_at = now[0]
+        return run
+
+    run = fed()  # the default: by time, every 10 minutes
+    assert run.cfg.checkpoint.every == 0 and run.cfg.checkpoint.minutes == 10
+    now[0] += 599
+    assert not run._checkpoint_due(3)
+    now[0] += 1
+    assert run._checkpoint_due(4)
+    run._ckpt_at, run._ckpt_seconds = now[0], 60.0  # a slow checkpoint: the next waits 20 x 60 s
+    now[0] += 900
+    assert not run._checkpoint_due(5)
+    now[0] += 300
+    assert run._checkpoint_due(6)
+    assert not run._checkpoint_due(50)  # never after the last round
+    run = fed("checkpoint.every=5", "checkpoint.minutes=null")
+    assert [r for r in range(1, 51) if run._checkpoint_due(r)] == [5, 10, 15, 20, 25, 30, 35, 40, 45]
+    with pytest.raises(UserError, match="checkpoint.minutes"):
+        load_config(raw=BASE, overrides=["checkpoint.minutes=0"])
+    with pytest.raises(UserError, match="runtime.max_restarts"):
+        load_config(raw=BASE, overrides=["runtime.max_restarts=-1"])
+
+
+def test_a_lost_actors_reason_is_plain_words():
+    class Died(Exception):
+        cause = None
+
+    class TaskError(Exception):  # what ray.get raises when the server's input came from a dead host
+        def __init__(self, text, cause):
+            super().__init__(text)
+            self.cause = cause
+
+    died = Died("The actor died unexpectedly before finishing this task.\n\tclass_name: ClientHost\n\t"
+                "actor_id: 8a6f\n\tpid: 2219\n\tnamespace: x\nThe actor is dead because its worker process has "
+                "died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits ...")
+    wrapped = TaskError("\x1b[36mray::Server.aggregate()\x1b[39m (pid=2220, ip=127.0.0.1, actor_id=59d0, "
+                        "repr=<raysim.runtime.server.Server object at 0x7fb9>)\n  At least one of the input "
+                        "arguments for this task could not be computed:\n" + str(died), died)
+    assert plain_reason(wrapped) == plain_reason(died) == "its worker process has died, pid 2219"
+
+
+# ----------------------------------------------------------------------------- interrupts, report
+
+@pytest.mark.parametrize("signal_raised, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupt_exits_130_or_143_with_the_resume_hint_when_there_is_something_to_resume(
+        tmp_path, monkeypatch, capsys, signal_raised, code):
+    def interrupted(*args, **kwargs):
+        raise signal_raised()
+
+    monkeypatch.setattr(experiment, "_run", interrupted)
+    config, out = config_file(tmp_path), tmp_path / "run"
+    assert main(["run", config, "--out", str(out), "--quiet"]) == code  # during start-up: nothing to resume
+    assert one_line(capsys.readouterr().err) == "raysim: interrupted\n"
+    (out / "checkpoints" / "round-000002").mkdir(parents=True)
+    dump_yaml(load_config(config), out / "config.yaml")
+    assert main(["run", config, "--out", str(out), "--quiet"]) == code
+    assert one_line(capsys.readouterr().err) == f"raysim: interrupted; resume with: raysim run --resume {out}\n"
+    assert not (out / LOCK).exists()
+
+    def in_a_round(*args, **kwargs):
+        raise Interrupted(f"interrupted in round 3; resume with: raysim run --resume {out}")
+
+    monkeypatch.setattr(experiment, "_run", in_a_round)
+    assert main(["run", config, "--out", str(out), "--quiet"]) == 130
+    assert one_line(capsys.readouterr().err).startswith("raysim: interrupted in round 3; resume with")
+
+
+def test_a_failed_write_exits_1_in_one_line(tmp_path, monkeypatch, capsys):
+    from raysim.runfolder import WriteFailed
+
+    def disk_full(*args, **kwargs):
+        raise RunFailed(f"{WriteFailed('x/metrics.parquet', OSError(28, 'No space left on device'))}; "
+                        "resume with: raysim run --resume x")
+
+    monkeypatch.setattr(experiment, "_run", disk_full)
+    assert main(["run", config_file(tmp_path), "--out", str(tmp_path / "run"), "--quiet"]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith("raysim: cannot write x/metrics.parquet: [Errno 28] No space left on device")
+    assert not (tmp_path / "run" / LOCK).exists()
+
+
+def test_report_on_a_metrics_file_missing_a_column_is_one_line(tmp_path, capsys):
+    table = pa.table({"round": pa.array([1], pa.int32()), "client": [-1], "domain": ["AVG"], "split": ["test"],
+                      "metric": ["accuracy"]})  # no "value"
+    pq.write_table(table, tmp_path / "metrics.parquet")
+    assert main(["report", str(tmp_path)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "metrics.parquet is not a raysim metrics file: it lacks the column(s) value" in err
+    pq.write_table(table.append_column("value", pa.array(["high"])), tmp_path / "metrics.parquet")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "its columns do not convert" in one_line(capsys.readouterr().err)
