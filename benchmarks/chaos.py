@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks.procmem import tree_pids  # noqa: E402
+
 ROUND = re.compile(r"\bround (\d+)/(\d+)\b")
 DRIVER = re.compile(r"(-m raysim|/raysim) run\b")
 
@@ -63,27 +67,14 @@ class ChaosResult:
 
 def tree(root: int) -> list[tuple[int, str]]:
     """(pid, command line) of ``root``'s descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    out = []
+    for pid in tree_pids(root)[1:]:
         try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-            ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, stack = [], [root]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                continue
-            out.append((pid, cmd))
-            stack.append(pid)
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # ended meanwhile
+        out.append((pid, cmd))
     return out
 
 
