@@ -12,7 +12,8 @@ from torch import nn
 from raysim.config import load_config
 from raysim.errors import UserError
 from raysim.experiment import federation
-from raysim.models.registry import available, register
+from raysim.models import registry
+from raysim.models.registry import register
 from raysim.runtime.backend import InProcess
 from raysim.runtime.determinism import ENV, actor_options, configure, nondeterministic_error
 
@@ -112,13 +113,20 @@ class _PutProbe(nn.Module):
         return self.fc(x.flatten(1)) + 0 * mark[0]
 
 
-if "det_put_probe" not in available():
-    @register("det_put_probe")
+@pytest.fixture
+def put_probe_model():
+    """The probe registered for this test only (the zoo's tests sweep every registered model)."""
     def _det_put_probe(*, num_classes: int = 10, in_channels: int = 3, input_size: int = 16, norm: str = "none"):
         return _PutProbe(num_classes, in_channels, input_size)
+    register("det_put_probe")(_det_put_probe)
+    try:
+        yield "det_put_probe"
+    finally:
+        registry._BUILDERS.pop("det_put_probe", None)
 
 
-def test_operation_without_deterministic_kernel_is_one_line_user_error(tmp_path, restore_torch_flags):
+def test_operation_without_deterministic_kernel_is_one_line_user_error(tmp_path, restore_torch_flags,
+                                                                       put_probe_model):
     model = {"name": "det_put_probe", "norm": "none"}
     federation(cfg_of(model=model), str(tmp_path / "off"), progress=False, backend=InProcess()).run()  # runs when off
     with pytest.raises(UserError) as err:

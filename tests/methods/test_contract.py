@@ -34,10 +34,11 @@ BASE = {
 
 
 class KeepHosts(Callback):
-    """The pool as it ran (the loop lets go of its hosts when it stops)."""
+    """The pool and the server as they ran (the loop lets go of both when it stops)."""
 
     def on_start(self, run):
         run.kept_hosts = [h.obj for h in run.hosts]
+        run.kept_server = run.server.obj
 
 
 def run(method: str, out, **raw):
@@ -85,7 +86,7 @@ class ServerCounter(Method):
 def test_server_state_persists_between_rounds(ray_session, tmp_path):
     registry.register(ServerCounter.name, ServerCounter)
     fed, df = run(ServerCounter.name, tmp_path)
-    assert torch.equal(fed.server.obj.state["c"], torch.full((3,), 4.5))  # three rounds of +1.5
+    assert torch.equal(fed.kept_server.state["c"], torch.full((3,), 4.5))  # three rounds of +1.5
     assert client_rows(df, "c_seen") == {(r, c): 1.5 * (r - 1) for r in (1, 2, 3) for c in (0, 1)}
 
 
@@ -160,7 +161,7 @@ def test_uploaded_statistics_build_a_bank_every_client_receives(ray_session, tmp
     x, y = torch.cat(xs).flatten(1).double().mean(1), torch.cat(ys)
     expected = torch.stack([x[y == k].mean() if (y == k).any() else torch.tensor(0.0, dtype=torch.float64)
                             for k in range(10)]).float()
-    assert torch.allclose(fed.server.obj.state["bank"], expected)
+    assert torch.allclose(fed.kept_server.state["bank"], expected)
     seen = client_rows(df, "bank_seen")
     assert seen[(1, 0)] == 0.0 and seen[(2, 0)] == seen[(2, 1)] == pytest.approx(float(expected.sum()))
 
@@ -174,7 +175,7 @@ def test_profiles_from_the_config_reach_setup_and_context(ray_session, tmp_path)
                                                   "domains": ["mnist", "usps"]}},
            "clients": {"profiles": profiles}, "rounds": 1}
     fed, df = run("dapperfl", tmp_path, **raw)
-    setup = fed.server.obj.fed.setup
+    setup = fed.kept_server.fed.setup
     assert [p["level"] for p in setup.client_profiles] == ["C1", "C2", "C3", "C1"]
     assert setup.client_profiles[0] == {"speed": 10, "tier": 0, "level": "C1"}
     tiers = client_rows(df, "tier")  # DapperFL's tiers are the profiles' (rho_levels[tier])
