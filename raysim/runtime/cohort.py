@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -281,42 +282,40 @@ def _sgd(p: dict, grads: dict, M: dict, idx: list[int], ix, first: bool, mom: fl
 
 @dataclass
 class CohortClient:
-    """A client to train in a cohort: its context (on the shared model), how to load its model,
-    and its dropout generator (keyed by (seed, round, client, "dropout"))."""
-    ctx: ClientContext
-    load: "callable"  # puts the client's starting tensors into ctx.model
+    """A client to train in a cohort: ``start()`` loads its starting tensors into the shared model
+    and returns its context; ``dropout`` is its generator keyed by (seed, round, client, "dropout")."""
+    start: Callable[[], ClientContext]
     dropout: torch.Generator | None = None
 
 
 def run_cohort(method: Method, model: nn.Module, clients: list[CohortClient], after, meter: bool = False) -> None:
-    """The cohort's client steps: for each client ``load()`` then ``method.local_loss(ctx)`` (its
+    """The cohort's client steps: for each client ``start()`` then ``method.local_loss(ctx)`` (its
     own passes, if any, run here), then all trained at once (:func:`train_cohort`), then for each
-    client, its trained tensors loaded into ``model``, the upload (``LocalLoss.finish``) and
-    ``after(ctx, upload, macs)`` (macs: every pass the client ran, None without ``meter``). A
-    client whose ``local_loss`` is None trains alone (``local_update``) at its turn."""
+    client, in order, its trained tensors loaded into ``model``, the upload (``LocalLoss.finish``)
+    and ``after(ctx, upload, macs)`` (macs: every pass the client ran, for the simulated clock;
+    None without ``meter``). A client whose ``local_loss`` is None trains alone at its turn."""
     from contextlib import nullcontext
 
     from raysim.models.dropout import dropout_generator
     from raysim.runtime.compute import ComputeMeter
 
     def scope(c: CohortClient):
-        meter_cm = ComputeMeter() if meter else nullcontext()
-        drop_cm = dropout_generator(c.dropout) if c.dropout is not None else nullcontext()
-        return meter_cm, drop_cm
+        return (ComputeMeter() if meter else nullcontext(),
+                dropout_generator(c.dropout) if c.dropout is not None else nullcontext())
 
     members: list[tuple[CohortClient, Member, float]] = []
     for c in clients:
-        c.load()
+        ctx = c.start()
         meter_cm, drop_cm = scope(c)
         with meter_cm as m, drop_cm:
-            spec = method.local_loss(c.ctx)
+            spec = method.local_loss(ctx)
             if spec is None:
-                up = method.local_update(c.ctx)
+                up = method.local_update(ctx)
         if spec is None:
-            after(c.ctx, up, m.macs if meter else None)
+            after(ctx, up, m.macs if meter else None)
             continue
         params, buffers = snapshot(model)
-        members.append((c, Member(c.ctx, spec, params, buffers, c.dropout), m.macs if meter else 0.0))
+        members.append((c, Member(ctx, spec, params, buffers, c.dropout), m.macs if meter else 0.0))
     if not members:
         return
     trained = train_cohort(model, [mb for _, mb, _ in members], meter=meter)
@@ -325,5 +324,34 @@ def run_cohort(method: Method, model: nn.Module, clients: list[CohortClient], af
         model.train()
         meter_cm, drop_cm = scope(c)
         with meter_cm as m, drop_cm:
-            up = mb.spec.finish(c.ctx) if mb.spec.finish is not None else method.upload(c.ctx, c.ctx.stats())
-        after(c.ctx, up, pre + trained[i] + m.macs if meter else None)
+            up = mb.spec.finish(mb.ctx) if mb.spec.finish is not None else method.upload(mb.ctx, mb.ctx.stats())
+        after(mb.ctx, up, pre + trained[i] + m.macs if meter else None)
+
+
+def auto_cohort_size(model: nn.Module, device: torch.device, batch_size: int, image_shape, limit: int = 64) -> int:
+    """``runtime.cohort_size: auto``: as many clients as half the GPU memory free now holds, each
+    needing its parameters four times over (weights, gradient, momentum, a loss tensor such as
+    FedProx's anchor) and its activations twice (kept for the backward, and their gradients) at the
+    batch size; at most ``limit``. 0 (off) on a CPU, where vectorizing gains little. It depends on
+    what else holds the GPU, hence refused with ``runtime.deterministic``."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    acts = [0]
+
+    def count(mod, inputs, out):
+        if isinstance(out, torch.Tensor) and not list(mod.children()):
+            acts[0] += out.numel() * out.element_size()
+    handles = [m.register_forward_hook(count) for m in model.modules()]
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros((1, *image_shape), device=device))
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    per_client = 4 * weights + 2 * acts[0] * batch_size
+    return max(1, min(limit, int(0.5 * free // max(per_client, 1))))

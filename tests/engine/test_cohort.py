@@ -106,9 +106,10 @@ def in_cohorts(method, make_model, train, K):
     for first in range(0, len(SIZES), K):
         clients = []
         for k in range(first, min(first + K, len(SIZES))):
-            ctx = context(model, k, data, train)
-            clients.append(CohortClient(ctx, lambda k=k: load_tensors(model, starts[k]),
-                                        torch.Generator().manual_seed(500 + k)))
+            def start(k=k):
+                load_tensors(model, starts[k])
+                return context(model, k, data, train)
+            clients.append(CohortClient(start, torch.Generator().manual_seed(500 + k)))
         run_cohort(method, model, clients, after, meter=True)
     return out
 
