@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils._pytree import tree_map, tree_structure
 
 from raysim.contract import ClientContext, LocalLoss, Method
 from raysim.models.dropout import KeyedDropout, cohort_masks
@@ -144,11 +145,10 @@ def train_cohort(model: nn.Module, members: list[Member], meter: bool = False) -
     P = {n: torch.stack([m.params[n] for m in members]) for n in trainable}
     Fz = {n: torch.stack([m.params[n] for m in members]) for n in param_names if n not in P}
     B = {n: torch.stack([m.buffers[n] for m in members]) for n in members[0].buffers}
-    keys = list(spec0.tensors)
-    for m in members:
-        if list(m.spec.tensors) != keys:
-            raise ValueError("client cohorts: every client's LocalLoss.tensors must have the same keys")
-    T = {k: torch.stack([m.spec.tensors[k] for m in members]) for k in keys}
+    spec_tree = tree_structure(spec0.tensors)
+    if any(tree_structure(m.spec.tensors) != spec_tree for m in members):
+        raise ValueError("client cohorts: every client's LocalLoss.tensors must have the same structure")
+    T = tree_map(lambda *xs: torch.stack(xs), *[m.spec.tensors for m in members])
     lrs = [m.ctx.lr if m.spec.lr is None else m.spec.lr for m in members]
     lr_vec = None if len(set(lrs)) == 1 else torch.tensor(lrs, dtype=torch.float32, device=device)
     mom, wd, clip = t.momentum, t.weight_decay, t.grad_clip
@@ -195,7 +195,7 @@ def train_cohort(model: nn.Module, members: list[Member], meter: bool = False) -
             def sel(v, ix=ix):
                 return v if ix is None else v.index_select(0, ix)
             p, fz, b = ({n: sel(v) for n, v in d.items()} for d in (P, Fz, B))
-            tens = {n: sel(v) for n, v in T.items()}
+            tens = tree_map(sel, T)
             batch = tuple(torch.stack([batches[k][i] for k in idx]) for i in range(len(shape)))
             bsz = shape[0][0]
             masks = _draw_masks([members[k] for k in idx], drops, bsz)

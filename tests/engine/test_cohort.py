@@ -17,6 +17,17 @@ from raysim.runtime.cohort import CohortClient, cohort_ready, run_cohort
 from raysim.runtime.compute import ComputeMeter
 from raysim.tensors import load_tensors
 
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors run faster on one thread, and the suite shares two cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 SIZES = [5, 12, 7, 20, 3, 16, 9, 11]  # batch 4, 2 epochs: 2 to 10 steps, short last batches
 TOL = 1e-5
 
