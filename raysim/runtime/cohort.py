@@ -43,11 +43,11 @@ from raysim.models.dropout import KeyedDropout, cohort_masks
 from raysim.runtime.compute import _LAYERS
 
 
-def cohort_ready(method: Method) -> bool:
-    """Whether ``method`` trains in cohorts: it defines ``local_loss``, in a class that also
-    defines (or inherits unchanged) its ``local_update`` (a subclass overriding the step without
-    restating the loss keeps the per-client path)."""
-    cls = type(method)
+def cohort_ready(method: Method | type[Method]) -> bool:
+    """Whether ``method`` (an instance or a class) trains in cohorts: it defines ``local_loss``, in
+    a class that also defines (or inherits unchanged) its ``local_update`` (a subclass overriding
+    the step without restating the loss keeps the per-client path)."""
+    cls = method if isinstance(method, type) else type(method)
     owner_loss, owner_update = _owner(cls, "local_loss"), _owner(cls, "local_update")
     return owner_loss is not Method and issubclass(owner_loss, owner_update)
 
