@@ -74,3 +74,29 @@ def test_a_round_in_cohorts_is_the_per_client_round(method, tmp_path, monkeypatc
         assert sizes == ([3, 3, 1] * 2 if k == 3 else [7] * 2), sizes  # 7 clients, 2 rounds
         sizes.clear()
         print(f"{method} K={k}: max relative difference {same(ref, got):.2e}")
+
+
+def test_cohorts_on_two_hosts_with_moved_records_and_post_train_evaluation(tmp_path, monkeypatch):
+    """Every client trained on another host than its own (its record travels there and back) and
+    scored as it left training (eval.point post_train): cohorts change nothing but rounding."""
+    from raysim.runtime.balance import ElsewherePlan
+    sizes = []
+
+    def spy(model, members, meter=False):
+        sizes.append(len(members))
+        return train_cohort(model, members, meter)
+    monkeypatch.setattr(cohort, "train_cohort", spy)
+
+    def run_elsewhere(out, *overrides):
+        cfg = load_config(raw={**RAW, "method": "fedbn"},
+                          overrides=["runtime.num_hosts=2", "eval.point=post_train", *overrides])
+        fed = federation(cfg, str(out), progress=False, backend=InProcess())
+        fed.plan = ElsewherePlan
+        fed.run()
+        df = pq.read_table(os.path.join(out, "metrics.parquet")).to_pandas()
+        return df.sort_values([c for c in df.columns if c != "value"]).reset_index(drop=True)
+
+    ref = run_elsewhere(tmp_path / "alone")
+    got = run_elsewhere(tmp_path / "k3", "runtime.cohort_size=3")
+    assert sizes and max(sizes) > 1
+    same(ref, got)
