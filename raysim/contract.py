@@ -9,6 +9,8 @@ bottom it is the paper's algorithm box:
 * ``init_server``       the server's state (the global tensors, plus anything else it keeps);
 * ``broadcast`` / ``client_payload``  what every client / one client receives;
 * ``local_update``      the client step, on the client's model and its persistent ``state``;
+* ``local_loss``        (optional) the same step as a per-batch loss, so a host may train many
+                        clients at once (client cohorts, ``runtime.cohort_size``);
 * ``aggregator`` + ``aggregate``  how uploads are combined (:mod:`raysim.aggregation`) and the server step.
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
