@@ -5,6 +5,7 @@ leaves it: its weights and buffers (BN running statistics), its upload, its loss
 multiply-accumulates the simulated clock charges it, within 1e-5 relative. The clients have
 unequal data sizes (so some stop before others, and some batches are short), gradient clipping,
 momentum and weight decay, and start from different weights."""
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -195,3 +196,30 @@ def test_opt_in_follows_the_class_that_defines_local_update():
     assert not cohort_ready(Mine(fedavg.hp, fedavg.setup))  # a new step without its loss: per client
     assert not cohort_ready(Method(fedavg.hp, fedavg.setup))
     assert isinstance(fedavg.local_loss(None), LocalLoss)
+
+
+def test_in_float64_the_zoo_cnn_agrees_to_rounding(monkeypatch):
+    """The zoo's small_cnn (BN, in-place ReLU, max-pooling): in float32 its two paths may drift
+    apart by more than 1e-5 on an ill-conditioned tensor (a ReLU or a max-pool's choice flips on a
+    rounding difference: ~2e-3 on bn1.bias after 4 steps at 32 px); in float64 they agree to 1e-12,
+    so the cohort computes the same function and the float32 gap is rounding."""
+    from raysim.models import build
+
+    def make():
+        return build("small_cnn", num_classes=3, in_channels=2, input_size=16, norm="bn").double()
+
+    def fed(make_model, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        model = make_model()
+        sizes = [40, 17, 9]
+        starts = [{n: v.clone() for n, v in model.state_dict().items()} for _ in sizes]
+        data = [Toy(torch.randn(n, 2, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+                for n in sizes]
+        return model, starts, data
+    monkeypatch.setattr(sys.modules[__name__], "federation", fed)
+    monkeypatch.setattr(sys.modules[__name__], "SIZES", [40, 17, 9])
+    method, train = method_named("fedavg"), train_cfg(epochs=1, batch_size=8)
+    ref, got = per_client(method, make, train), in_cohorts(method, make, train, 3)
+    worst = max(rel(g[0][n], r[0][n]) for r, g in zip(ref, got) for n in r[0] if r[0][n].is_floating_point())
+    assert worst < 1e-12, worst
