@@ -223,3 +223,18 @@ def test_in_float64_the_zoo_cnn_agrees_to_rounding(monkeypatch):
     ref, got = per_client(method, make, train), in_cohorts(method, make, train, 3)
     worst = max(rel(g[0][n], r[0][n]) for r, g in zip(ref, got) for n in r[0] if r[0][n].is_floating_point())
     assert worst < 1e-12, worst
+
+
+def test_cohort_size_setting():
+    from raysim.config import load_config
+    from raysim.errors import UserError
+    from raysim.runtime.cohort import auto_cohort_size
+    raw = {"method": "fedavg", "data": {"dataset": "digits5", "partition": {"kind": "per_domain"}}}
+    assert load_config(raw=raw).runtime.cohort_size == 0  # off by default
+    assert load_config(raw=raw, overrides=["runtime.cohort_size=auto"]).runtime.cohort_size == "auto"
+    for bad, match in ((["runtime.cohort_size=auto", "runtime.deterministic=true"], "deterministic"),
+                       (["runtime.cohort_size=many"], "integer >= 0 or 'auto'"),
+                       (["runtime.cohort_size=-2"], "integer >= 0 or 'auto'")):
+        with pytest.raises(UserError, match=match):
+            load_config(raw=raw, overrides=bad)
+    assert auto_cohort_size(mlp(), torch.device("cpu"), 32, (2, 4, 4)) == 0  # off on a CPU
