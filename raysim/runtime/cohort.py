@@ -29,7 +29,6 @@ count varies, random operations other than :class:`~raysim.models.dropout.KeyedD
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
