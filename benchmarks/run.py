@@ -525,6 +525,11 @@ def device_tolerance(device: str, deterministic: bool, given: float | None) -> f
     return 5e-2 if device == "cuda" and not deterministic else 1e-6
 
 
+# max |w_cohort - w_plain|: cohorts equal the per-client path within rounding, not bit for bit
+# (vmap's batched kernels sum in another order): 2.9e-6 after 2 rounds of B on a CPU
+COHORT_TOLERANCE = 1e-4
+
+
 def cohort_unavailable() -> str | None:
     """Why the cohort arm cannot run (None when raysim has ``runtime.cohort_size``)."""
     import dataclasses
@@ -559,7 +564,8 @@ class DeviceBench(Bench):
         self.failed: list[str] = []
 
     def record(self, workload: str, arm: str, resources: str, res: dict | None = None, diff: float | None = None,
-               steps: float | None = None, na: str | None = None) -> None:
+               steps: float | None = None, na: str | None = None, tolerance: float | None = None) -> None:
+        tolerance = self.tolerance if tolerance is None else tolerance
         entry = {"workload": workload, "arm": arm, "resources": resources, "device": self.device,
                  "deterministic": self.deterministic, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
         if na is not None:
@@ -567,17 +573,17 @@ class DeviceBench(Bench):
             self.rows.append({"workload": workload, "arm": arm, "na": f"{resources}: {na}"})
             line = f"ARM {workload} {arm}: not available: {na}"
         else:
-            ok = diff is not None and diff <= self.tolerance
+            ok = diff is not None and diff <= tolerance
             if not ok:
                 self.void = True
             r = self.row(workload, arm, res, resources, diff, steps=steps)
             entry.update(round_median=r["round_median"], round_seconds=res["round_seconds"],
                          startup=res.get("startup_seconds"), ray_start=res.get("ray_start_seconds"),
-                         test_avg=r["test_avg"], max_abs_diff=diff, tolerance=self.tolerance,
+                         test_avg=r["test_avg"], max_abs_diff=diff, tolerance=tolerance,
                          same=ok, steps_per_round=steps)
             line = (f"ARM {workload} {arm} [{resources}]: round {r['round_median']:.3f} s (median), start-up "
                     f"{fmt(res.get('startup_seconds'))} s, max |w - w_plain| = {diff:.3g} "
-                    f"({'OK' if ok else 'MISMATCH'}: tolerance {self.tolerance:g})")
+                    f"({'OK' if ok else 'MISMATCH'}: tolerance {tolerance:g})")
         with open(self.arms_file, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry, default=str) + "\n")
         print(line, flush=True)
@@ -619,16 +625,17 @@ def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_s
     b.results[w] = {"plain": ref, "steps_per_round": steps}
     base = median_round(ref)
 
-    def arm(name: str, tag: str, n_hosts: int, runtime: dict, resources: str) -> float | None:
+    def arm(name: str, tag: str, n_hosts: int, runtime: dict, resources: str, tol: float | None = None) -> float | None:
+        tol = b.tolerance if tol is None else tol
         try:
             res, d = b.raysim(spec, tag, hosts=n_hosts, runtime=runtime)
         except RuntimeError as err:
             b.fail(w, name, resources, err)
             return None
         diff = max_abs_diff(os.path.join(d, "weights.pt"), ref_w)
-        b.record(w, name, resources, res, diff, steps)
+        b.record(w, name, resources, res, diff, steps, tolerance=tol)
         b.results[w][tag] = {**res, "max_abs_diff": diff}
-        return median_round(res) if diff <= b.tolerance else None
+        return median_round(res) if diff <= tol else None
 
     best = None
     for h in hosts:
@@ -643,7 +650,8 @@ def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_s
         b.record(w, "raysim cohorts", "1 host", na=why)
     else:
         t = arm(f"raysim cohorts K={cohort_size}", "raysim-cohort", 1,
-                b.host_runtime(1, {"cohort_size": cohort_size}), b.host_resources(1) + f", cohort_size {cohort_size}")
+                b.host_runtime(1, {"cohort_size": cohort_size}), b.host_resources(1) + f", cohort_size {cohort_size}",
+                tol=max(b.tolerance, COHORT_TOLERANCE))
         if t is not None:
             b.ratio(w, "cohort/plain", t / base)
     if pfl is None or w not in FEDAVG:

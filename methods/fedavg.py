@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import Method
+from raysim.contract import LocalLoss, Method, cross_entropy
 from raysim.hparams import Hparams
 
 
@@ -27,3 +27,6 @@ class FedAvg(Method):
     shares = 'shares the whole model; keeps nothing'
     # The base Method already is FedAvg: broadcast the global tensors, train with SGD,
     # upload everything, aggregate by the n_k-weighted mean.
+
+    def local_loss(self, ctx):
+        return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy

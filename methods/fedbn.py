@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import Method
+from raysim.contract import LocalLoss, Method, cross_entropy
 from raysim.hparams import Hparams
 from raysim.tensors import bn_keys
 from raysim.training import collect_bn_stats
@@ -33,6 +33,9 @@ class FedBN(Method):
 
     def personal_keys(self, model):
         return bn_keys(model)
+
+    def local_loss(self, ctx):
+        return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
 
     def adapt_to_unseen(self, model, client):
         """FDSE's Alg. 2: one epoch of forward passes collects the target's BN statistics."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
 
@@ -72,6 +72,23 @@ class FedDyn(Method):
         for x, y in ctx.batches():
             params = {k: p for k, p in model.named_parameters() if k in g}
             ctx.step(F.cross_entropy(model(x), y) + dynamic_regularizer(params, g, anchor, alpha), opt)
+        return self.finish(ctx, g, anchor)
+
+    def local_loss(self, ctx: ClientContext) -> LocalLoss:
+        """The same step for client cohorts: g_k and theta^{t-1} are the client's tensors."""
+        anchor = {k: p.detach().clone() for k, p in ctx.model.named_parameters() if p.requires_grad}
+        g = {k: v.to(ctx.device) for k, v in ctx.state["g"].items()}
+        return LocalLoss(self.batch_loss, tensors={"g": g, "anchor": anchor},
+                         finish=lambda ctx: self.finish(ctx, g, anchor))
+
+    def batch_loss(self, forward, params, batch, mine):
+        g = mine["g"]
+        regular = dynamic_regularizer({k: p for k, p in params.items() if k in g}, g, mine["anchor"], self.hp.alpha)
+        return cross_entropy(forward, params, batch, mine) + regular
+
+    def finish(self, ctx: ClientContext, g: dict, anchor: dict) -> Upload:
+        """g_k <- g_k - alpha (theta_k^t - theta^{t-1}), and the upload (uniform weight)."""
+        model, alpha = ctx.model, self.hp.alpha
         params = dict(model.named_parameters())
         ctx.state["g"] = {k: (g[k] - alpha * (params[k].detach() - anchor[k])).cpu() for k in g}
         return Upload(tensors={k: v.detach() for k, v in model.state_dict().items()}, weight=1.0,  # 1/|S|

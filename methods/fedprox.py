@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
 
@@ -47,6 +47,15 @@ class FedProx(Method):
                 loss = loss + proximal_term(dict(model.named_parameters()), anchor, mu)
             ctx.step(loss, opt)
         return self.upload(ctx, ctx.stats())
+
+    def local_loss(self, ctx: ClientContext) -> LocalLoss:
+        """The same step for client cohorts: w^{t-1} is the client's tensor the loss reads."""
+        anchor = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+        return LocalLoss(self.batch_loss, tensors=anchor)
+
+    def batch_loss(self, forward, params, batch, anchor):
+        loss = cross_entropy(forward, params, batch, anchor)
+        return loss + proximal_term(params, anchor, self.hp.mu) if self.hp.mu > 0 else loss
 
 
 def proximal_term(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], mu: float):

@@ -48,7 +48,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.errors import UserError
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
@@ -241,8 +241,18 @@ class FedWon(Method):
             return batch_size > self.hp.agc_small_batch
         return bool(self.hp.agc)
 
+    def step_lr(self, ctx: ClientContext) -> float | None:
+        return ctx.lr * self.hp.lr / ctx.train.lr if self.hp.lr > 0 else None
+
+    def local_loss(self, ctx: ClientContext) -> LocalLoss | None:
+        """Client cohorts: plain SGD on the cross-entropy where AGC is off; with AGC (clipping
+        each unit's gradient between backward and step) the client trains alone."""
+        if self.use_agc(ctx.train.batch_size):
+            return None
+        return LocalLoss(cross_entropy, lr=self.step_lr(ctx))
+
     def local_update(self, ctx: ClientContext) -> Upload:
-        lr = ctx.lr * self.hp.lr / ctx.train.lr if self.hp.lr > 0 else None
+        lr = self.step_lr(ctx)
         opt = ctx.optimizer(lr=lr)  # plain SGD, rebuilt every round
         counts = [0, 0]
         if self.use_agc(ctx.train.batch_size):

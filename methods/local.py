@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import Method
+from raysim.contract import LocalLoss, Method, cross_entropy
 from raysim.hparams import Hparams
 
 
@@ -27,5 +27,8 @@ class Local(Method):
 
     def personal_keys(self, model):
         return set(model.state_dict().keys())  # the whole model stays on the client
+
+    def local_loss(self, ctx):
+        return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
 
     # Nothing is shared, so the weighted mean is empty and the server state never changes.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
 from raysim.training import collect_bn_stats, train_epochs
@@ -72,6 +72,9 @@ class FedAvgGN(Method):
 
     def build_model(self) -> nn.Module:
         return _build(self, self.norm)
+
+    def local_loss(self, ctx):
+        return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ class SiloBN(Method):
 
     def personal_keys(self, model: nn.Module) -> set[str]:
         return bn_stat_keys(model)
+
+    def local_loss(self, ctx):
+        return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
 
     def adapt_to_unseen(self, model, client):
         collect_bn_stats(model, client.unlabeled_batches(client.train.batch_size))

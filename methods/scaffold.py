@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, Method, Upload
+from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.hparams import Hparams, Space
 from raysim.settings import setting
 from raysim.tensors import cpu_copy
@@ -97,6 +97,28 @@ class Scaffold(Method):
         opt = ctx.optimizer()
         for xb, yb in ctx.batches():
             ctx.step(F.cross_entropy(model(xb), yb) + correction(model, drift), opt)  # g_i - c_i + c
+        return self.finish(ctx, x, c, c_i, c_new if self.hp.option == "I" else None)
+
+    def local_loss(self, ctx: ClientContext) -> LocalLoss:
+        """The same step for client cohorts: the drift c - c_i is the client's tensor the loss reads."""
+        model, dev = ctx.model, ctx.device
+        c = {k: v.to(dev) for k, v in ctx.payload["c"].items()}
+        c_i = {k: v.to(dev) for k, v in ctx.state["c"].items()}
+        x = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        c_new = None
+        if self.hp.option == "I":
+            c_new = full_gradient(ctx)
+            model.load_state_dict(x)
+        drift = {k: c[k] - c_i[k] for k in c_i}
+        return LocalLoss(self.batch_loss, tensors=drift,
+                         finish=lambda ctx: self.finish(ctx, x, c, c_i, c_new))
+
+    def batch_loss(self, forward, params, batch, drift):
+        return cross_entropy(forward, params, batch, drift) + sum((d * params[k]).sum() for k, d in drift.items())
+
+    def finish(self, ctx: ClientContext, x: dict, c: dict, c_i: dict, c_new: dict | None) -> Upload:
+        """Alg. 1 lines 12-13 on the trained model: c_i+ (option II from the model's move), the upload."""
+        model = ctx.model
         stats = ctx.stats()
         y = {k: v.detach() for k, v in model.state_dict().items()}
         if self.hp.option == "II":

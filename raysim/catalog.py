@@ -176,6 +176,7 @@ def hparam_rows(cls) -> list[list[str]]:
 
 
 def method_markdown(name: str) -> str:
+    from raysim.runtime.cohort import cohort_ready
     from raysim.methods import registry
     cls = registry.get(name)  # UserError naming the available methods
     out = [f"# {name}", "", f"**Paper:** {cls.paper or '–'}", ""]
@@ -185,6 +186,8 @@ def method_markdown(name: str) -> str:
     out += [f"**Shares / keeps:** {shares_line(name, cls)}", ""]
     out += ["**Exchanges data-derived statistics between clients:** "
             + (f"yes: {cls.exchanges}" if cls.exchanges else "no (nothing beyond the model)"), ""]
+    out += ["**Client cohorts** (`runtime.cohort_size`): " + ("yes: its step is a per-batch loss (`local_loss`)"
+            if cohort_ready(cls) else "no: its clients train one by one"), ""]
     rows = hparam_rows(cls)
     out += [f"## Hyperparameters (`hp.{name}.<name>`)", ""]
     if rows:
@@ -206,6 +209,7 @@ def _short_configs(name: str, paths: list[str], most: int = 4) -> str:
 
 
 def catalog_markdown() -> str:
+    from raysim.runtime.cohort import cohort_ready
     from raysim.methods import registry
     cfgs = configs_by_method()
     rows = []
@@ -214,11 +218,12 @@ def catalog_markdown() -> str:
             cls = registry.get(name)
         except Exception as err:  # an optional method that fails to import: list it, say why
             rows.append([name, f"(cannot import: {str(err).splitlines()[0] if str(err) else type(err).__name__})",
-                         "", "", ""])
+                         "", "", "", ""])
             continue
         rows.append([name, cls.paper or "–", shares_line(name, cls), "yes" if cls.exchanges else "no",
-                     _short_configs(name, cfgs.get(name, []))])
-    return markdown_table(["method", "paper", "shares / keeps", "exchanges data stats", "configs"], rows) + "\n"
+                     "yes" if cohort_ready(cls) else "no", _short_configs(name, cfgs.get(name, []))])
+    return markdown_table(["method", "paper", "shares / keeps", "exchanges data stats", "cohorts", "configs"],
+                          rows) + "\n"
 
 
 def methods(name: str | None = None) -> str:

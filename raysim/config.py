@@ -93,6 +93,10 @@ class RuntimeConfig:
     # before CUDA starts, so a GPU run repeats bit for bit; an operation without a deterministic
     # kernel stops the run with a one-line error naming it. CPU kernels are deterministic either way
     deterministic: bool = False
+    # client cohorts (raysim.runtime.cohort): a host trains up to this many of its round's clients
+    # at once as one vectorized step, where the method allows it (Method.local_loss); 0 or 1: one by
+    # one; "auto": as many as fit the host's share of GPU memory (off on a CPU; refused with deterministic)
+    cohort_size: int | str = setting(0, ge=0, expected="an integer >= 0 or 'auto'")
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."
     pg_timeout_s: float = 60.0
@@ -344,6 +348,11 @@ def validate(cfg: ExperimentConfig) -> None:
          "set 'runtime.num_hosts' or 'runtime.clients_per_host'")
     need(r.gpus_per_host <= 1 or float(r.gpus_per_host).is_integer(),
          f"config key 'runtime.gpus_per_host' = {r.gpus_per_host}: fractions must be at most 1")
+    need(not isinstance(r.cohort_size, str) or r.cohort_size == "auto",
+         f"config key 'runtime.cohort_size' = {r.cohort_size!r}: expected an integer >= 0 or 'auto'")
+    need(not (r.cohort_size == "auto" and r.deterministic),
+         "runtime.cohort_size 'auto' sizes cohorts from free GPU memory, which varies between runs: "
+         "give an integer with runtime.deterministic")
     need(r.spill_dir is None or ".." not in Path(r.spill_dir).parts,
          f"config key 'runtime.spill_dir' = {r.spill_dir!r}: '..' is not allowed in a scratch path")
     need(cfg.data.shards is None or cfg.data.shards.strip() != "",

@@ -9,6 +9,8 @@ bottom it is the paper's algorithm box:
 * ``init_server``       the server's state (the global tensors, plus anything else it keeps);
 * ``broadcast`` / ``client_payload``  what every client / one client receives;
 * ``local_update``      the client step, on the client's model and its persistent ``state``;
+* ``local_loss``        (optional) the same step as a per-batch loss, so a host may train many
+                        clients at once (client cohorts, ``runtime.cohort_size``);
 * ``aggregator`` + ``aggregate``  how uploads are combined (:mod:`raysim.aggregation`) and the server step.
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
@@ -42,9 +44,10 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from raysim.aggregation import Aggregator, WeightedMean
@@ -79,6 +82,34 @@ class Upload:
     weight: float  # aggregation weight (n_k by default, see train.weighting)
     extras: dict = field(default_factory=dict)  # anything else the server needs (masks, statistics, prototypes)
     metrics: dict = field(default_factory=dict)  # e.g. {"loss": mean training loss}
+
+
+@dataclass
+class LocalLoss:
+    """A client step written as a per-batch loss, what :meth:`Method.local_loss` returns: the
+    engine may then train several clients at once as one vectorized step (client cohorts,
+    ``runtime.cohort_size``; :mod:`raysim.runtime.cohort`), each with its own parameters, buffers,
+    batches, optimizer state and random streams, exactly as ``local_update`` would one by one.
+
+    The step it stands for: ``ctx.batches()`` with ``ctx.optimizer(lr=lr)`` and ``ctx.step(loss)``
+    (gradient clipping at train.grad_clip), then ``finish(ctx)`` on the trained model."""
+    # loss(forward, params, batch, tensors) -> scalar: ``forward(x)`` is the model under this
+    # client's parameters and buffers, ``params`` {name: parameter} (what ``model.named_parameters()``
+    # gives), ``batch`` the (x, y) of ``ctx.batches()``, ``tensors`` the dict below. A pure function
+    # of its arguments and the method's hyperparameters: whatever differs between clients goes in
+    # ``tensors`` (every client of a cohort runs the first one's ``loss``)
+    loss: Callable[..., torch.Tensor]
+    tensors: dict = field(default_factory=dict)  # this client's tensors the loss reads (FedProx: w^{t-1}), on ctx.device
+    # the upload, from the context once training ended (ctx.model holds the trained weights,
+    # ctx.stats() the round's loss and steps); None: ``method.upload(ctx, ctx.stats())``
+    finish: Callable[["ClientContext"], "Upload"] | None = None
+    lr: float | None = None  # None: ctx.lr (the optimizer's learning rate, as ``ctx.optimizer(lr=...)``)
+
+
+def cross_entropy(forward, params, batch, tensors) -> torch.Tensor:
+    """FedAvg's per-batch loss (:class:`LocalLoss`): the cross-entropy of the model's logits."""
+    x, y = batch
+    return F.cross_entropy(forward(x), y)
 
 
 @dataclass
@@ -294,6 +325,14 @@ class Method:
         """E epochs of SGD on the cross-entropy (:func:`raysim.training.train_epochs`)."""
         from raysim.training import train_epochs
         return self.upload(ctx, train_epochs(ctx))
+
+    def local_loss(self, ctx: ClientContext) -> LocalLoss | None:
+        """``local_update`` written as a per-batch loss (:class:`LocalLoss`), for client cohorts;
+        None (the default): the method trains its clients one by one. Called on the client's
+        loaded model, where ``local_update`` would be (it may read ``ctx.state`` and the payload,
+        and run passes of its own first). The engine uses it only where the class that defines it
+        also defines, or inherits unchanged, the ``local_update`` it stands for."""
+        return None
 
     def upload(self, ctx: ClientContext, stats: dict) -> Upload:
         """Standard upload: keep personal tensors in ``state``, send the shared ones."""

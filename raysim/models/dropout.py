@@ -16,6 +16,19 @@ import torch
 from torch import nn
 
 _generators: list[torch.Generator] = []  # innermost last
+_masks: list[list[torch.Tensor] | None] = []  # client cohorts: the masks of the pass under way, in call order
+
+
+@contextlib.contextmanager
+def cohort_masks(masks: list[torch.Tensor] | None):
+    """Inside, each train-mode :class:`KeyedDropout` takes the next of ``masks`` instead of drawing
+    one: client cohorts (:mod:`raysim.runtime.cohort`) draw every client's masks from its own
+    generator outside ``vmap`` and pass them in. None: no masks (a model without dropout)."""
+    _masks.append(None if masks is None else list(masks))
+    try:
+        yield
+    finally:
+        _masks.pop()
 
 
 @contextlib.contextmanager
@@ -35,6 +48,12 @@ class KeyedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        if _masks and _masks[-1] is not None:
+            if self.p == 1.0:
+                return torch.zeros_like(x)
+            keep = _masks[-1].pop(0)
+            out = x * keep / (1.0 - self.p)
+            return x.copy_(out) if self.inplace else out
         if not _generators:
             raise RuntimeError("a train-mode pass through dropout outside a client step: raysim draws dropout "
                                "masks only from a client's keyed generator (raysim.models.dropout)")

@@ -22,6 +22,7 @@ from raysim.models.dropout import dropout_generator
 from raysim.profiles import device_time, fits_memory
 from raysim.contract import ClientContext, ClientData, UnseenClient, Upload
 from raysim.runtime.clientdata import device_budget, keep_on_device
+from raysim.runtime.cohort import CohortClient, auto_cohort_size, cohort_ready, run_cohort
 from raysim.runtime.compute import ComputeMeter
 from raysim.runtime.determinism import configure as configure_determinism
 from raysim.runtime.federation import Federation
@@ -168,43 +169,99 @@ class ClientHost:
         if moved_records is not None:
             moved = ray.get(moved_records[0]) if _is_ref(moved_records[0]) else (moved_records[0] or {})
         out: dict = {"host": self.host_id, "state_bytes": {}, "records": {}}
-        for cid in sorted(client_ids):
-            mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
-            if self._clocked:
-                foot = self.method.client_footprint(cid, self._dense)
-                if not fits_memory(self.fed.profile(cid), foot["params"]):  # it cannot train this model
-                    part["metrics"][cid] = {"completed": 0.0, "dropped_memory": 1.0}
+        cohort = self._cohort_size(len(client_ids))
+        if cohort > 1:  # runtime.cohort_size: the clients in cohorts, each as it would train alone
+            self._train_cohorts(rnd, part, sorted(client_ids), personal_boxes, moved, out, cohort)
+        else:
+            for cid in sorted(client_ids):
+                mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
+                if self._clocked and not self._fits(cid, part):
                     continue
-            # what the step keeps (cpu_copy) stays on the device within runtime.device_state_mb,
-            # unless the record goes back to its owner host (work stealing)
-            with keep_state_on(self._state_device if moved is None else None):
-                record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
-                self.method.load_client_model(self.model, mine, record["state"])
-                ctx = self._context(cid, rnd, mine, record["state"])
-                with ComputeMeter() if self._clocked else nullcontext() as meter, \
-                        dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
-                    up = self.method.local_update(ctx)
-                record = {"state": ctx.state}
-                if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
-                    record["trained"] = self.method.post_train_state(ctx)
-            if moved is None:
-                self.store.put(cid, record)
-            else:
-                out["records"][cid] = record
-            out["state_bytes"][cid] = state_nbytes(record)
-            metrics = part["metrics"][cid] = dict(up.metrics)
-            sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
-            part["bytes_up"] += sent
-            if self._clocked and self._clock(cid, meter.macs, tensors_nbytes(mine), sent, metrics):
-                continue  # dropped from the aggregate: the server stopped waiting at the deadline
-            self.method.aggregator.add(part["partial"], cid, up)
-            if part["personal"] is not None:  # for the global model only (Method.global_eval_model)
-                sd = self.model.state_dict()
-                WeightedMean().add(part["personal"], cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
+                # what the step keeps (cpu_copy) stays on the device within runtime.device_state_mb,
+                # unless the record goes back to its owner host (work stealing)
+                with keep_state_on(self._state_device if moved is None else None):
+                    record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
+                    self.method.load_client_model(self.model, mine, record["state"])
+                    ctx = self._context(cid, rnd, mine, record["state"])
+                    with ComputeMeter() if self._clocked else nullcontext() as meter, \
+                            dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
+                        up = self.method.local_update(ctx)
+                    record = {"state": ctx.state}
+                    if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
+                        record["trained"] = self.method.post_train_state(ctx)
+                self._fold(part, out, cid, record, up, meter.macs if self._clocked else None, mine, moved)
         part["clients"] += len(client_ids)
         out["seconds"] = time.perf_counter() - t0
         part["seconds"] += out["seconds"]
         return out
+
+    def _fits(self, cid: int, part: dict) -> bool:
+        """Whether the client's memory holds the model it would train (clocked runs); if not, its
+        metrics say it was dropped."""
+        foot = self.method.client_footprint(cid, self._dense)
+        if fits_memory(self.fed.profile(cid), foot["params"]):
+            return True
+        part["metrics"][cid] = {"completed": 0.0, "dropped_memory": 1.0}  # it cannot train this model
+        return False
+
+    def _fold(self, part: dict, out: dict, cid: int, record: dict, up: Upload, macs, mine: dict, moved) -> None:
+        """A trained client's record stored (or sent back to its owner), its metrics and clock, and
+        its upload folded into the host's partial result (the model still holds what it trained)."""
+        if moved is None:
+            self.store.put(cid, record)
+        else:
+            out["records"][cid] = record
+        out["state_bytes"][cid] = state_nbytes(record)
+        metrics = part["metrics"][cid] = dict(up.metrics)
+        sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
+        part["bytes_up"] += sent
+        if self._clocked and self._clock(cid, macs, tensors_nbytes(mine), sent, metrics):
+            return  # dropped from the aggregate: the server stopped waiting at the deadline
+        self.method.aggregator.add(part["partial"], cid, up)
+        if part["personal"] is not None:  # for the global model only (Method.global_eval_model)
+            sd = self.model.state_dict()
+            WeightedMean().add(part["personal"], cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
+
+    def _cohort_size(self, n: int) -> int:
+        """How many clients train at once (runtime.cohort_size): 0 where the method keeps the
+        per-client path (no ``local_loss``) or cohorts are off."""
+        k = self.cfg.runtime.cohort_size
+        if not k or not cohort_ready(self.method):
+            return 0
+        if k == "auto":
+            k = auto_cohort_size(self.model, self.device, self.cfg.train.batch_size, self.fed.image_shape)
+        return min(int(k), n)
+
+    def _train_cohorts(self, rnd: int, part: dict, ids: list[int], personal_boxes: dict, moved, out: dict,
+                       size: int) -> None:
+        """The listed clients in cohorts of ``size`` (consecutive in ascending id), each trained,
+        stored, clocked and folded exactly as on the per-client path (raysim.runtime.cohort)."""
+        todo = []
+        for cid in ids:
+            mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
+            if self._clocked and not self._fits(cid, part):
+                continue
+            part["metrics"][cid] = {}  # its place in the metrics' order, as on the per-client path
+            todo.append((cid, mine))
+        for first in range(0, len(todo), size):
+            chunk = todo[first:first + size]
+            mines = {cid: mine for cid, mine in chunk}
+            clients = []
+            for cid, mine in chunk:
+                def start(cid=cid, mine=mine):
+                    record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
+                    self.method.load_client_model(self.model, mine, record["state"])
+                    return self._context(cid, rnd, mine, record["state"])
+                clients.append(CohortClient(start, generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)))
+
+            def after(ctx, up, macs):
+                record = {"state": ctx.state}
+                if self.cfg.eval.point == "post_train":
+                    record["trained"] = self.method.post_train_state(ctx)
+                self._fold(part, out, ctx.client_id, record, up, macs, mines[ctx.client_id], moved)
+
+            with keep_state_on(self._state_device if moved is None else None):
+                run_cohort(self.method, self.model, clients, after, meter=self._clocked)
 
     def _round_partial(self, rnd: int, payload_box: list) -> dict:
         """The host's running result of round ``rnd`` (begun by its first :meth:`train_clients`).

@@ -30,7 +30,7 @@ def test_device_benchmark_smoke_on_cpu(tmp_path):
         assert a["workload"] == "B" and len(a["round_seconds"]) == 2
         assert a["same"] and a["max_abs_diff"] <= a["tolerance"] == 1e-6
     cohort = arms[3]
-    assert "not_available" in cohort or cohort["same"]
+    assert "not_available" in cohort or cohort["same"]  # within its own tolerance (rounding: run.COHORT_TOLERANCE)
     for a in arms:  # printed as each finished
         assert f"ARM B {a['arm']}" in r.stdout
     assert "RATIO B raysim_h1/plain" in r.stdout and "RATIO B raysim_best/plain" in r.stdout
