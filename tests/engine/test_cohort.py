@@ -20,13 +20,7 @@ from raysim.tensors import load_tensors
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors run faster on one thread, and the suite shares two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors (tests/conftest.py)
 
 
 SIZES = [5, 12, 7, 20, 3, 16, 9, 11]  # batch 4, 2 epochs: 2 to 10 steps, short last batches

@@ -32,13 +32,7 @@ OPTED = ["fedavg", "fedprox", "fedbn", "local", "silobn", "fedavg_gn", "fedwon",
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors run faster on one thread, and the suite shares two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors (tests/conftest.py)
 
 
 def run(method, out, *overrides):
