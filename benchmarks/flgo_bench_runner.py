@@ -104,7 +104,7 @@ def run(spec: dict) -> dict:
 
     from benchmarks.plain import PlainFederation, evaluate_clients, headline, weighted_mean
     from benchmarks.procmem import TreeCPU
-    from raysim.runtime.seeding import generator_for
+    from raysim.core.seeding import generator_for
 
     if spec["method"] != "fedavg":
         raise SystemExit("the FLGo arm runs FedAvg only")

@@ -4,7 +4,7 @@ FLGo (``flgo==0.3.29``, the platform FDSE's code runs on; installed in its own v
 ``benchmarks/.venv-flgo`` by ``flgo_env.py``) ships FedAvg, FedProx, SCAFFOLD, FedDyn, MOON and
 Ditto. This driver (project venv) runs FLGo's versions on exactly what raysim trains on:
 
-* for each seed, raysim's own federation (``raysim.runtime.federation.Federation`` of the config)
+* for each seed, raysim's own federation (``raysim.engine.federation.Federation`` of the config)
   builds the clients' train/val/test arrays (one client per domain, normalised float32, the same
   partition) and the seeded initial model of each method; they are written to ``<out>/data/``;
 * ``flgo_runner.py`` (FLGo venv) trains FLGo's algorithm module on them with the config's
@@ -112,7 +112,7 @@ def dump_inputs(config: str, seed: int, methods: list[str], out: str, rounds: in
     import numpy as np
     import torch
 
-    from raysim.runtime.federation import Federation
+    from raysim.engine.federation import Federation
 
     data_dir = os.path.join(out, "data")
     os.makedirs(data_dir, exist_ok=True)
@@ -156,7 +156,7 @@ def dump_inputs(config: str, seed: int, methods: list[str], out: str, rounds: in
 
 def method_spec(config: str, method: str, seed: int, rounds: int | None) -> dict:
     """The protocol and the method's hyperparameters as raysim runs them."""
-    from raysim.runtime.federation import Federation
+    from raysim.engine.federation import Federation
     variant, method = method, base_method(method)
     cfg = load_cfg(config, method, seed, rounds)
     fed = Federation(cfg)
@@ -230,9 +230,9 @@ def raysim_weights(config: str, method: str, seed: int, rounds: int, run_dir: st
     """raysim's global model after ``rounds`` rounds, run in this process (InProcess backend)."""
     import torch
 
-    from raysim.experiment import federation
-    from raysim.runtime.backend import InProcess
-    from raysim.runtime.loop import Callback
+    from raysim.app.experiment import federation
+    from raysim.engine.backend import InProcess
+    from raysim.engine.loop import Callback
 
     torch.set_num_threads(threads)
     fed = federation(load_cfg(config, method, seed, rounds), run_dir, progress=False, backend=InProcess())
@@ -319,7 +319,7 @@ def flgo_results(out: str, methods: list[str], seeds: list[int]) -> dict:
 
 def raysim_results(run_dir: str | None, methods: list[str], seeds: list[int]) -> tuple[dict, list[str]]:
     """{method: {seed: {"final_round": r, "final": {domain: acc, "AVG": acc}}}} and notes on what is missing."""
-    from raysim import report
+    from raysim.app import report
     notes, res = [], {}
     if not run_dir:
         return res, ["no --raysim-run given: raysim columns left empty"]

@@ -258,7 +258,7 @@ def _raysim_batch_order(server, seed: int) -> None:
     models up to float rounding (raysim sums the aggregate in float64)."""
     import torch
 
-    from raysim.runtime.seeding import generator_for
+    from raysim.core.seeding import generator_for
 
     for c in server.clients:
         calc = c.calculator

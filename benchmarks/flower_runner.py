@@ -54,7 +54,7 @@ def _train(msg, context):
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
     from benchmarks.plain import load_weights, local_train, round_lr
-    from raysim.runtime.seeding import generator_for
+    from raysim.core.seeding import generator_for
 
     cfg = msg.content["config"]
     st = _worker_state(str(cfg["spec"]))

@@ -35,9 +35,9 @@ TINY = {
 
 def fingerprint(out: str, methods: list[str] | None = None) -> None:
     from raysim.config import load_config
-    from raysim.experiment import run
+    from raysim.app.experiment import run
     from raysim.methods import registry
-    from raysim.metrics import read
+    from raysim.engine.metrics import read
 
     names = methods or registry.names()
     result = {}

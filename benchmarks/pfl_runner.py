@@ -72,7 +72,7 @@ def make_federated_dataset(fed, spec: dict):
     from pfl.data.federated_dataset import FederatedDatasetBase
     from pfl.internal.ops.selector import get_default_framework_module as get_ops
 
-    from raysim.runtime.seeding import generator_for
+    from raysim.core.seeding import generator_for
 
     train = spec["train"]
     bs = int(train["batch_size"])

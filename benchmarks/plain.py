@@ -3,7 +3,7 @@
 This is the limit the simulator is measured against: the same local training and the same
 n_k-weighted averaging that raysim runs, with no actors, no object store and no method
 abstraction. It reuses only raysim's *data* (``raysim.data.load``, the partitioners), its model
-zoo (``raysim.models.build``) and its seed-derivation helpers (``raysim.runtime.seeding``), so
+zoo (``raysim.models.build``) and its seed-derivation helpers (``raysim.core.seeding``), so
 the computation is bit-for-bit the one raysim performs:
 
 * the initial weights are built under ``torch.manual_seed(seed)``;
@@ -88,7 +88,7 @@ class PlainFederation:
         return sample_clients(self.seed, rnd, self.n, self.per_round())
 
     def eval_clients(self) -> list[int]:
-        from raysim.runtime.seeding import rng_for
+        from raysim.core.seeding import rng_for
 
         e = self.spec.get("eval_clients", "all")
         if e == "all" or int(e) >= self.n:
@@ -100,7 +100,7 @@ class PlainFederation:
 def sample_clients(seed: int, rnd: int, n: int, k: int) -> list[int]:
     """Round ``rnd``'s clients: all of them, or ``k`` drawn by the generator keyed by
     (seed, rnd, server, "sample"), in ascending order."""
-    from raysim.runtime.seeding import rng_for
+    from raysim.core.seeding import rng_for
 
     if k >= n:
         return list(range(n))
@@ -197,7 +197,7 @@ def evaluate_clients(fed: PlainFederation, model, clients: list[int], split_name
 def resolve_device(name: str | None) -> torch.device:
     """``cpu`` or ``cuda`` (the current CUDA device); a UserError in one line when CUDA is asked
     for and this torch sees none."""
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
 
     name = (name or "cpu").lower()
     if name == "cpu":
@@ -223,10 +223,10 @@ def run_plain(spec: dict, threads: int | None = None, rounds: int | None = None,
     """Train ``spec`` with FedAvg in this process, on ``device`` (``cpu`` or ``cuda``). Returns
     timings, the final global weights (on the CPU) and the final evaluation (AVG/ALL test accuracy
     over the spec's evaluation clients). ``deterministic``: torch's deterministic kernels, as raysim's
-    ``runtime.deterministic`` sets them (:mod:`raysim.runtime.determinism`)."""
+    ``runtime.deterministic`` sets them (:mod:`raysim.engine.determinism`)."""
     from raysim.models.dropout import dropout_generator
-    from raysim.runtime.determinism import configure
-    from raysim.runtime.seeding import generator_for
+    from raysim.engine.determinism import configure
+    from raysim.core.seeding import generator_for
 
     if spec.get("method", "fedavg") != "fedavg":
         raise ValueError("the plain loop implements FedAvg only")
@@ -304,7 +304,7 @@ def save_result(out: str, res: dict) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
     try:
         sys.exit(main())
     except UserError as err:  # one line (no CUDA for --device cuda, ...)

@@ -1,4 +1,4 @@
-"""The raysim arm: one federation of a spec through the engine (``raysim.experiment``).
+"""The raysim arm: one federation of a spec through the engine (``raysim.app.experiment``).
 
 Ray start-up (``ray.init``), the federation's start-up (server and host actors, data loading)
 and each round are timed separately. With ``memory=True`` the resident memory of this process
@@ -23,8 +23,8 @@ def run_raysim(spec: dict, run_dir: str, hosts: int = 2, memory: bool = False, f
 
     from benchmarks.procmem import PeakSampler, TreeCPU
     from benchmarks.workloads import raysim_config
-    from raysim.experiment import federation
-    from raysim.runtime.cluster import ray_session
+    from raysim.app.experiment import federation
+    from raysim.engine.cluster import ray_session
 
     cfg = raysim_config(spec, hosts=hosts, runtime=runtime)
     sampler = PeakSampler() if memory else None

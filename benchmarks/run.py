@@ -396,8 +396,8 @@ def fedavg_workload(b: Bench, spec: dict, externals: dict[str, tuple[str | None,
 def state_bytes_per_client(spec: dict) -> int:
     """What FedBN keeps per client, counted as raysim's store counts it (tensor bytes + dicts)."""
     from benchmarks.plain import PlainFederation
-    from raysim.tensors import bn_keys
-    from raysim.runtime.store import state_nbytes
+    from raysim.core.tensors import bn_keys
+    from raysim.engine.store import state_nbytes
 
     model = PlainFederation(spec).build_model()
     keys = bn_keys(model)
@@ -689,7 +689,7 @@ def device_targets(ratios: list[tuple[str, str, float]]) -> list[str]:
 def device_main(ns, out: str) -> int:
     """``--device cpu|cuda``: the device benchmark (see the module docstring)."""
     from benchmarks.plain import resolve_device
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
 
     device = resolve_device(ns.device).type  # one line and exit 2 when cuda is asked for and absent
     only = [w.strip().upper() for w in (ns.only or ",".join(DEVICE_ORDER)).split(",") if w.strip()]
@@ -815,7 +815,7 @@ def main(argv=None) -> int:
                         "1e-6 with --deterministic)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm")
     ns = p.parse_args(argv)
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
     if ns.rounds is not None and ns.rounds < 1:
         raise UserError(f"--rounds {ns.rounds}: expected at least 1")
     if ns.device is not None:
@@ -914,7 +914,7 @@ if __name__ == "__main__":
         print("benchmark interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as err:  # noqa: BLE001 - one clear line for user errors, a traceback otherwise
-        from raysim.errors import UserError
+        from raysim.core.errors import UserError
         if isinstance(err, UserError):
             print(f"benchmarks: error: {err}", file=sys.stderr)
             sys.exit(2)

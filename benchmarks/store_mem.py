@@ -21,9 +21,9 @@ def rss() -> int:
 def measure(n: int) -> dict:
     import torch
 
-    from raysim.tensors import bn_keys
+    from raysim.core.tensors import bn_keys
     from raysim.models import build
-    from raysim.runtime.store import ClientStateStore
+    from raysim.engine.store import ClientStateStore
 
     model = build("small_cnn", num_classes=10, in_channels=3, input_size=32, norm="bn")
     keys = bn_keys(model)

@@ -14,8 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from raysim.compare import load  # noqa: E402
-from raysim.report import save_figure  # noqa: E402
+from raysim.app.compare import load  # noqa: E402
+from raysim.app.report import save_figure  # noqa: E402
 
 
 def main(argv=None) -> int:

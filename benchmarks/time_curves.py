@@ -12,7 +12,7 @@ import os
 
 import pandas as pd
 
-from raysim.report import _clock, plot_time_curves
+from raysim.app.report import _clock, plot_time_curves
 
 
 def load(run_dir: str) -> pd.DataFrame:

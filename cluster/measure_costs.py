@@ -13,7 +13,7 @@ timed), on workload C's shape: digits5 at 3x32x32, small_cnn with BN, cross-devi
 * the host-side partial sum per upload (weighted-mean methods) and the server's aggregation
   for K uploads (FDSE: min-norm consensus + similarity mix, which grow with K);
 * the server state FDSE keeps per client ever sampled (its personalised DSE mix);
-* spilling: raysim.runtime.store.ClientStateStore writing a state to disk and reading it back;
+* spilling: raysim.engine.store.ClientStateStore writing a state to disk and reading it back;
 * Ray's object store: ray.put + ray.get of one host's round result (a local Ray, 1 CPU);
 * data shards: reading one client's row group through pyarrow.fs (raysim.data.shards).
 
@@ -73,12 +73,12 @@ def fmt_s(s: float) -> str:
 
 
 def measure_method(method: str, k: int, ray_ok: bool) -> dict:
-    from raysim.aggregation import WeightedMean
-    from raysim.contract import Upload
-    from raysim.runtime.host import ClientHost
-    from raysim.tensors import tensors_nbytes
-    from raysim.runtime.server import Server
-    from raysim.runtime.store import ClientStateStore, Packed, state_nbytes, to_bytes
+    from raysim.core.aggregation import WeightedMean
+    from raysim.core.contract import Upload
+    from raysim.engine.host import ClientHost
+    from raysim.core.tensors import tensors_nbytes
+    from raysim.engine.server import Server
+    from raysim.engine.store import ClientStateStore, Packed, state_nbytes, to_bytes
 
     cfg = config(method, num_clients=max(k, 10))
     torch.set_num_threads(1)
@@ -194,8 +194,8 @@ def _clone(obj):
 
 def fdse_scaling(m, server, upload, before) -> dict:
     """FDSE's server step for K = 10..400 uploads (copies of one upload with noise)."""
-    from raysim.aggregation import AllUploads
-    from raysim.contract import Upload
+    from raysim.core.aggregation import AllUploads
+    from raysim.core.contract import Upload
     res = {}
     for K in (10, 50, 100, 200, 400):
         g = torch.Generator().manual_seed(K)
@@ -213,7 +213,7 @@ def object_store(result: dict, k: int, personal=None) -> dict:
     local Ray (1 CPU)."""
     import ray
 
-    from raysim.runtime.cluster import start_local_ray
+    from raysim.engine.cluster import start_local_ray
     start_local_ray(num_cpus=1, log_to_driver=False)  # as `raysim run` does: loopback only, token auth
     try:
         def roundtrip():
@@ -231,7 +231,7 @@ def object_store(result: dict, k: int, personal=None) -> dict:
 def measure_shards(k: int) -> dict:
     """Writing and reading clients' row groups (raw uint8) on the local filesystem."""
     from raysim.data.shards import read_manifest, read_shard
-    from raysim.runtime.datashards import write_federation_shards
+    from raysim.app.sharding import write_federation_shards
 
     out = {}
     n = max(k, 10)

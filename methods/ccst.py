@@ -52,11 +52,11 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from raysim.aggregation import update_bank
-from raysim.contract import ClientContext, Method, Upload
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.aggregation import update_bank
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 EPS = 1e-5  # inside the root of every std (spec 5.4)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import Method
-from raysim.hparams import Hparams
+from raysim.core.contract import Method
+from raysim.core.hparams import Hparams
 
 
 @dataclass(frozen=True)

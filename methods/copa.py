@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload, client_weight
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import ClientContext, Method, Upload, client_weight
+from raysim.core.hparams import Hparams, Space
 from raysim.models.base import Net
-from raysim.settings import setting
+from raysim.core.settings import setting
 
 HEADS = "heads."
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, Method, SpareModels, Upload, sgd_step
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
-from raysim.tensors import load_tensors
+from raysim.core.contract import ClientContext, Method, SpareModels, Upload, sgd_step
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
+from raysim.core.tensors import load_tensors
 
 
 @dataclass(frozen=True)

@@ -62,10 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from raysim.aggregation import update_bank
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.aggregation import update_bank
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

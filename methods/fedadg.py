@@ -59,12 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload, sgd_step
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import ClientContext, Method, Upload, sgd_step
+from raysim.core.hparams import Hparams, Space
 from raysim.models.base import Net
-from raysim.runtime.seeding import SERVER, generator_for
-from raysim.settings import setting
-from raysim.training import evaluate
+from raysim.core.seeding import SERVER, generator_for
+from raysim.core.settings import setting
+from raysim.core.training import evaluate
 
 DISC = "disc."  # the discriminator's state-dict prefix: kept on the client
 

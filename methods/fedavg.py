@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import LocalLoss, Method, cross_entropy
-from raysim.hparams import Hparams
+from raysim.core.contract import LocalLoss, Method, cross_entropy
+from raysim.core.hparams import Hparams
 
 
 @dataclass(frozen=True)

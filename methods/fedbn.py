@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import LocalLoss, Method, cross_entropy
-from raysim.hparams import Hparams
-from raysim.tensors import bn_keys
-from raysim.training import collect_bn_stats
+from raysim.core.contract import LocalLoss, Method, cross_entropy
+from raysim.core.hparams import Hparams
+from raysim.core.tensors import bn_keys
+from raysim.core.training import collect_bn_stats
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
-from raysim.training import evaluate, train_epochs
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
+from raysim.core.training import evaluate, train_epochs
 
 
 @dataclass(frozen=True)

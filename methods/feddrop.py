@@ -54,11 +54,11 @@ from dataclasses import dataclass
 
 import torch
 
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.submodels import SubModelMethod, client_tier, holder_mean, num_kept
-from raysim.runtime.seeding import SERVER, generator_for
-from raysim.settings import setting
+from raysim.core.seeding import SERVER, generator_for
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

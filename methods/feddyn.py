@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

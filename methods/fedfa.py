@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams
 from raysim.models.blocks import insert_after_blocks
-from raysim.settings import setting
-from raysim.training import train_epochs
+from raysim.core.settings import setting
+from raysim.core.training import train_epochs
 
 FFA = "ffa"  # module-name prefix of the inserted layers
 

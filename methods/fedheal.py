@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import Method
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import Method
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,12 @@ from dataclasses import dataclass
 
 import torch
 
-from raysim.aggregation import weighted_mean
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.aggregation import weighted_mean
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.dapperfl.masks import top_mask
 from raysim.methods.submodels import SubModelMethod, client_tier, num_kept, recover
-from raysim.settings import setting
+from raysim.core.settings import setting
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
 

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
 from raysim.models.base import Net
-from raysim.runtime.seeding import SERVER, generator_for
-from raysim.settings import setting
+from raysim.core.seeding import SERVER, generator_for
+from raysim.core.settings import setting
 
 REFERENCE = ("ref_mu", "ref_sigma_raw", "ref_c")  # r_mu, raw r_sigma, C: parameters of FedSRNet
 

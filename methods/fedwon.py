@@ -48,11 +48,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
-from raysim.training import train_epochs
+from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
+from raysim.core.training import train_epochs
 
 
 # ----------------------------------------------------------------------------- WSConv

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload, client_weight
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import ClientContext, Method, Upload, client_weight
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.gperxan_layers import (IN_AFFINE_INITS, MIXES, SCORE_INITS, bn_side_keys, place,
                                            select)
-from raysim.settings import setting
-from raysim.tensors import bn_keys, load_tensors
-from raysim.tensors import cpu_copy
+from raysim.core.settings import setting
+from raysim.core.tensors import bn_keys, load_tensors
+from raysim.core.tensors import cpu_copy
 
 NORMS = ("perxan", "xan", "ibn", "bn")
 LR_SCHEDULES = ("engine", "cosine")

@@ -25,7 +25,7 @@ import re
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 MIXES = ("softmax", "linear")
 SCORE_INITS = ("random", "ones")

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from raysim.contract import Method
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import Method
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.models.norm import is_norm
-from raysim.settings import setting
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
 from raysim.models.blocks import block_ends, insert_after_blocks
-from raysim.settings import setting
-from raysim.training import train_epochs
+from raysim.core.settings import setting
+from raysim.core.training import train_epochs
 
 PREFIX = "mixstyle"
 

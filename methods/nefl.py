@@ -51,15 +51,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raysim.aggregation import weighted_mean
-from raysim.errors import UserError
-from raysim.hparams import Hparams
+from raysim.core.aggregation import weighted_mean
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams
 from raysim.methods.submodels import (SubModelMethod, apply_masks, client_tier, extract, holder_mean, recover,
-                                      slices, train_masks, _is_block)
+                                      slices, train_masks, is_block)
 from raysim.models.norm import is_norm
-from raysim.settings import setting
-from raysim.tensors import load_tensors
-from raysim.tensors import cpu_copy
+from raysim.core.settings import setting
+from raysim.core.tensors import load_tensors
+from raysim.core.tensors import cpu_copy
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers: widths 1, 0.8, 0.6, 0.4, 0.2
 
@@ -117,7 +117,7 @@ def add_steps(model: nn.Module) -> nn.Module:
     """x_{l+1} = relu(x_l' + s_l F_l(x_l)): a learnable scalar s_l (init 1) on every residual block's
     last norm layer, multiplying the branch before the shortcut is added."""
     for m in model.modules():
-        if _is_block(m):
+        if is_block(m):
             m.bn2.register_parameter("step", nn.Parameter(torch.ones(())))
             m.bn2.register_forward_hook(_scale_by_step)
     return model

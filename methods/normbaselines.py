@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
-from raysim.training import collect_bn_stats, train_epochs
+from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
+from raysim.core.training import collect_bn_stats, train_epochs
 
 
 def _build(method: Method, norm: str) -> nn.Module:

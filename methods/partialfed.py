@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams
 from raysim.models.norm import is_norm
-from raysim.settings import setting
-from raysim.tensors import load_tensors
-from raysim.training import train_epochs
+from raysim.core.settings import setting
+from raysim.core.tensors import load_tensors
+from raysim.core.training import train_epochs
 
 
 @dataclass(frozen=True)

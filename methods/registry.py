@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 # name -> "module:Class"; imported lazily so a broken optional method never blocks the others.
 _METHODS = {

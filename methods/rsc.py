@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.contract import ClientContext, Method, Upload
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)

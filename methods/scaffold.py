@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
-from raysim.hparams import Hparams, Space
-from raysim.settings import setting
-from raysim.tensors import cpu_copy
+from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
+from raysim.core.hparams import Hparams, Space
+from raysim.core.settings import setting
+from raysim.core.tensors import cpu_copy
 
 DELTA_C = "delta_c/"  # prefix of the control-variate update among the uploaded tensors
 

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload, client_weight
-from raysim.errors import UserError
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import ClientContext, Method, Upload, client_weight
+from raysim.core.errors import UserError
 from raysim.models.flops import probe
 from raysim.models.norm import is_norm
 
@@ -51,7 +51,8 @@ class Group:
     members: list = field(default_factory=list)  # (module name, role, factor); role: out | in | norm
 
 
-def _is_block(m: nn.Module) -> bool:
+def is_block(m: nn.Module) -> bool:
+    """A residual block (conv1/bn1, conv2/bn2 and a shortcut): its channels are kept or cut together."""
     return all(hasattr(m, a) for a in ("conv1", "bn1", "conv2", "bn2", "shortcut"))
 
 
@@ -88,7 +89,7 @@ def channel_groups(model: nn.Module) -> list[Group]:
                 if state["current"] is None:
                     raise UserError(f"sub-models: norm {name} before any layer")
                 groups[state["current"]].members.append((name, "norm", 1))
-            elif _is_block(m):
+            elif is_block(m):
                 block(m, name)
             elif isinstance(m, nn.Sequential):
                 walk(m, f"{name}.")
@@ -288,7 +289,7 @@ def holder_mean(items, prev: dict, keys=None) -> dict:
 
 def client_tier(setup, client_id: int, num_levels: int, method: str) -> int:
     """The client's capability tier: its profile's (clients.profiles), else k mod L (DapperFL's
-    official rule, raysim.profiles.assign_levels round robin with equal shares)."""
+    official rule, raysim.core.tiers.assign_levels round robin with equal shares)."""
     profiles = setup.client_profiles
     # round robin with equal shares deals client k level k mod L (no per-client table to build)
     tier = int(profiles[client_id]["tier"]) if client_id < len(profiles) else client_id % num_levels

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from raysim.errors import Interrupted, RunFailed, Terminated, UserError
+from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -80,10 +80,10 @@ def split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_run(ns) -> int:
-    from raysim.config import load_config
+    from raysim.app.configs import load_checked
 
     if ns.resume:
-        from raysim.experiment import resume_config, run
+        from raysim.app.experiment import resume_config, run
         if ns.args and "=" not in ns.args[0]:
             raise UserError("--resume takes the run directory's own config; give no CONFIG file")
         cfg = resume_config(ns.resume, ns.args)
@@ -94,30 +94,30 @@ def cmd_run(ns) -> int:
         if not QUICKSTART.is_file():
             raise UserError(f"no CONFIG given and the quickstart config is missing: {QUICKSTART}")
         path = QUICKSTART
-    cfg = load_config(path, overrides)
+    cfg = load_checked(path, overrides)
     if ns.check:
         import yaml
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from raysim.experiment import run
+    from raysim.app.experiment import run
     run(cfg, out=ns.out, address=ns.address, progress=not ns.quiet)
     return 0
 
 
 def cmd_report(ns) -> int:
-    from raysim.report import render
+    from raysim.app.report import render
     print(render(ns.run_dir))
     return 0
 
 
 def cmd_compare(ns) -> int:
-    from raysim.compare import compare
+    from raysim.app.compare import compare
     print(compare(ns.run_dirs, by=ns.by, out=ns.out), end="")
     return 0
 
 
 def cmd_methods(ns) -> int:
-    from raysim.catalog import methods
+    from raysim.app.catalog import methods
     print(methods(ns.name), end="")
     return 0
 
@@ -133,13 +133,13 @@ def cmd_data(ns) -> int:
 
 
 def cmd_data_shard(ns) -> int:
-    from raysim.config import load_config
-    from raysim.runtime.datashards import write_federation_shards
+    from raysim.app.configs import load_checked
+    from raysim.app.sharding import write_federation_shards
 
     bad = [o for o in ns.overrides if "=" not in o]
     if bad:
         raise UserError(f"raysim data shard CONFIG URI [key=value ...]: {bad[0]!r} is not key=value")
-    cfg = load_config(ns.config, ns.overrides)
+    cfg = load_checked(ns.config, ns.overrides)
     write_federation_shards(cfg, ns.uri, image_format=ns.image_format, clients_per_file=ns.clients_per_file,
                             echo=print)
     print("run it with: raysim run " + " ".join([ns.config, *ns.overrides, f"data.shards={ns.uri}"]))
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print("raysim: interrupted", file=sys.stderr)
         return 128 + getattr(err, "signal", 2)
     except OSError as err:  # a write no part of raysim named (the run's own are WriteFailed)
-        from raysim.runfolder import describe
+        from raysim.core.files import describe
         where = f" ({err.filename})" if getattr(err, "filename", None) else ""
         print(f"raysim: {describe(err)}{where}", file=sys.stderr)
         return 1

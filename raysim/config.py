@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from raysim.errors import UserError
-from raysim.settings import build, setting
+from raysim.core.errors import UserError
+from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
 
@@ -88,12 +87,12 @@ class RuntimeConfig:
     device_data_mb: float = setting(0.0, ge=0)
     # per host: clients' stored state kept on its GPU between rounds, LRU beyond it to CPU memory then disk (0: off)
     device_state_mb: float = setting(0.0, ge=0)
-    # deterministic kernels on every host and the server (raysim.runtime.determinism): torch's
+    # deterministic kernels on every host and the server (raysim.engine.determinism): torch's
     # use_deterministic_algorithms, cuDNN deterministic (no autotuning), CUBLAS_WORKSPACE_CONFIG set
     # before CUDA starts, so a GPU run repeats bit for bit; an operation without a deterministic
     # kernel stops the run with a one-line error naming it. CPU kernels are deterministic either way
     deterministic: bool = False
-    # client cohorts (raysim.runtime.cohort): a host trains up to this many of its round's clients
+    # client cohorts (raysim.engine.cohort): a host trains up to this many of its round's clients
     # at once as one vectorized step, where the method allows it (Method.local_loss); 0 or 1: one by
     # one; "auto": as many as fit the host's share of GPU memory (off on a CPU; refused with deterministic)
     cohort_size: int | str = setting(0, ge=0, expected="an integer >= 0 or 'auto'")
@@ -134,7 +133,7 @@ class CheckpointConfig:
 class ProfilesConfig:
     """Client system profiles: device levels and which client has which (DapperFL's capability
     tiers C1..C5). A client's profile is ``{"tier": index, "level": name, **the level's keys}``;
-    the keys the simulated clock reads (raysim.profiles): ``flops`` (FLOP/s), ``memory_mb`` (the
+    the keys the simulated clock reads (raysim.core.tiers): ``flops`` (FLOP/s), ``memory_mb`` (the
     largest model it can train, float32 parameters), ``up_mbps`` / ``down_mbps`` (Mbit/s),
     ``availability`` (probability of being online in a round); others are free (e.g. a method's knob)."""
     # the device levels, weakest last by convention: names ("C1") or mappings ({name: C1, flops: 1e9,
@@ -159,7 +158,7 @@ class ClientsConfig:
 
 @dataclass
 class TrackingConfig:
-    """Experiment tracking of every federation (raysim.tracking): TensorBoard event files in the
+    """Experiment tracking of every federation (raysim.app.tracking): TensorBoard event files in the
     federation's run directory (``<run_dir>/tb/``), and optionally an MLflow tracking server."""
     tensorboard: bool = True  # per-round scalars and the resolved config as hparams in <run_dir>/tb/
     # an MLflow tracking URI (http://host:5000, file:///path, sqlite:///mlflow.db); null: no MLflow.
@@ -302,11 +301,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def validate(cfg: ExperimentConfig) -> None:
-    """What the declarations cannot say: names that must exist, settings that exclude each other.
-    Types and ranges were checked when the dataclasses were built; checks needing the data or the
-    cluster live there."""
-    from raysim.methods import registry  # late import: methods import config types
-
+    """What the declarations cannot say: settings that exclude each other. Types and ranges were
+    checked when the dataclasses were built; the methods' names and hyperparameters are checked
+    against the method registry by the application (``raysim.app.experiment.check_methods``),
+    checks needing the data or the cluster where those are."""
     def need(ok: bool, msg: str):
         if not ok:
             raise UserError(msg)
@@ -314,8 +312,6 @@ def validate(cfg: ExperimentConfig) -> None:
     names = cfg.method_names()
     need(bool(names) and all(isinstance(n, str) for n in names),
          "config needs 'method: NAME' or 'methods: [NAME, ...]'")
-    for n in names:
-        registry.get(n)  # raises UserError listing the known methods
     need(len(set(names)) == len(names), f"'methods' lists a method twice: {names}")
     need(cfg.name is None or (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.name) is not None),
          f"config key 'name' = {cfg.name!r}: expected letters, digits, '.', '_' or '-' (it names the run folder)")
@@ -334,7 +330,6 @@ def validate(cfg: ExperimentConfig) -> None:
             raise UserError(f"in per_method.{n}: {err}") from None
     for n, hp in cfg.hp.items():
         need(isinstance(hp, dict), f"config key 'hp.{n}' must map hyperparameter names to values")
-        registry.get(n).hparams_from(hp, prefix=f"hp.{n}")
     need(cfg.clients_per_round is None or cfg.fraction is None,
          "set either 'clients_per_round' or 'fraction', not both")
     e = cfg.eval
@@ -367,22 +362,8 @@ def validate(cfg: ExperimentConfig) -> None:
          "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")
     need(t.mlflow_experiment is None or t.mlflow_experiment.strip() != "",
          "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
-    from raysim.profiles import check_profiles
+    from raysim.core.tiers import check_profiles
     check_profiles(cfg.clients.profiles)
-
-
-def host_layout(runtime: RuntimeConfig, num_clients: int) -> tuple[int, int]:
-    """(num_hosts, clients_per_host) for a federation of ``num_clients``; client k lives on host k % H."""
-    if runtime.clients_per_host is not None:
-        hosts = math.ceil(num_clients / runtime.clients_per_host)
-        if runtime.num_hosts is not None and runtime.num_hosts < hosts:
-            raise UserError(
-                f"runtime.num_hosts = {runtime.num_hosts} hosts cannot hold {num_clients} clients at "
-                f"runtime.clients_per_host = {runtime.clients_per_host}; need {hosts} hosts")
-        hosts = min(hosts, runtime.num_hosts or hosts)
-    else:
-        hosts = min(runtime.num_hosts, num_clients)
-    return hosts, math.ceil(num_clients / hosts)
 
 
 def dump_yaml(cfg: ExperimentConfig, path: str | os.PathLike) -> None:

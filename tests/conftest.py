@@ -1,6 +1,6 @@
 """One Ray instance for the whole session (Ray takes ~3 s to start): 2 CPUs and one *logical*
 GPU, so fractional-GPU placement is exercised for real on a machine without a GPU. It is started
-the way `raysim run` starts its own (raysim.runtime.cluster.start_local_ray: every process on
+the way `raysim run` starts its own (raysim.engine.cluster.start_local_ray: every process on
 127.0.0.1, token authentication on), so tests/engine/test_network.py can check a run on it."""
 import os
 
@@ -11,7 +11,7 @@ import pytest
 def ray_session(tmp_path_factory):
     import ray
 
-    from raysim.runtime.cluster import start_local_ray
+    from raysim.engine.cluster import start_local_ray
 
     os.environ.setdefault("RAYSIM_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     if not ray.is_initialized():

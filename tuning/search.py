@@ -22,14 +22,13 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 import warnings
 
 import yaml
 
-from raysim import checkpoint
-from raysim.errors import RunFailed, UserError
+from raysim.engine import checkpoint
+from raysim.core.errors import RunFailed, UserError
 from raysim.tuning import outputs
 from raysim.tuning import space as sp
 from raysim.tuning.spec import SAMPLERS, TuneSpec, load_spec
@@ -58,7 +57,7 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
     """The search itself (also the programmatic entry point); returns the trials table and paths."""
     _quiet()
     from ray import tune
-    from raysim.runtime.cluster import ray_session
+    from raysim.engine.cluster import ray_session
 
     make_sampler(spec), make_scheduler(spec)  # option mistakes fail before anything is written
     resume = prepare_dir(out, spec)
@@ -686,8 +685,3 @@ def _quiet() -> None:
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="optuna")
     warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
-
-
-if __name__ == "__main__":  # python -m raysim.tuning.search CONFIG [key=value ...]
-    from raysim.cli import main as cli_main
-    sys.exit(cli_main(["tune", *sys.argv[1:]]))

@@ -16,8 +16,8 @@ import math
 from typing import Any
 
 from raysim.config import set_path
-from raysim.errors import UserError
-from raysim.hparams import Space
+from raysim.core.errors import UserError
+from raysim.core.hparams import Space
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 FIXED = (None, "fixed", "none", False)

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raysim.config import ExperimentConfig, apply_overrides, load_config, parse_override, read_yaml
-from raysim.errors import UserError
+from raysim.app.configs import load_checked
+from raysim.app.rundir import with_holdout
+from raysim.config import ExperimentConfig, apply_overrides, parse_override, read_yaml
+from raysim.core.errors import UserError
 from raysim.tuning import space as sp
-from raysim.hparams import Space
+from raysim.core.hparams import Space
 
 TUNE_KEYS = ("experiment", "name", "method", "metric", "mode", "trials", "max_concurrent", "max_failures",
              "sampler", "scheduler", "space", "initial_points", "resources")
@@ -66,7 +68,7 @@ class TuneSpec:
 
     # ---- experiments ------------------------------------------------------------------------
     def base_config(self) -> ExperimentConfig:
-        return load_config(raw=self.experiment)
+        return load_checked(raw=self.experiment)
 
     @property
     def rounds(self) -> int:
@@ -74,7 +76,7 @@ class TuneSpec:
 
     def experiment_config(self, params: dict) -> ExperimentConfig:
         """The base experiment with a trial's hyperparameters set (what ``best.yaml`` holds)."""
-        return load_config(raw=sp.apply_params(self.experiment, params))
+        return load_checked(raw=sp.apply_params(self.experiment, params))
 
     def run_experiment(self) -> dict:
         """The base experiment as trials run it: relative paths made absolute (a trial's worker may
@@ -84,9 +86,9 @@ class TuneSpec:
             value = sp.get_dotted(raw, key)
             if isinstance(value, str) and value and not os.path.isabs(value):
                 sp.set_dotted(raw, key, os.path.abspath(os.path.expanduser(value)))
-        cfg = load_config(raw=raw)
+        cfg = load_checked(raw=raw)
         if cfg.eval.protocol == "lodo":
-            sp.set_dotted(raw, "data.partition", {**cfg.data.partition, "holdout": cfg.eval.holdout})
+            sp.set_dotted(raw, "data.partition", with_holdout(cfg, cfg.eval.holdout).data.partition)
         return raw
 
     def record(self) -> dict:
@@ -229,7 +231,7 @@ def deep_merge(base: dict, patch: dict) -> dict:
 
 def _load_experiment(raw: dict) -> ExperimentConfig:
     try:
-        return load_config(raw=raw)
+        return load_checked(raw=raw)
     except UserError as err:
         msg = str(err)
         m = re.match(r"unknown config key '([^'.]+)'", msg)
@@ -342,7 +344,7 @@ def _check_space_against(space: dict[str, Space], experiment: dict) -> None:
     for key, s in space.items():
         for value in sp.endpoints(s):
             try:
-                load_config(raw=sp.apply_params(experiment, {key: value}))
+                load_checked(raw=sp.apply_params(experiment, {key: value}))
             except UserError as err:
                 raise UserError(f"search space entry '{key}' value {value!r} is not a valid experiment: "
                                 f"{str(err).splitlines()[0]}") from None

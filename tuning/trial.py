@@ -2,7 +2,7 @@
 
 Bundle 0 is the trial's own (the Tune function that drives the federation, plus the Server's
 CPUs); bundle 1+h is ClientHost h with ``runtime.cpus_per_host`` CPUs and ``runtime.gpus_per_host``
-GPUs, exactly as ``raysim run`` reserves them. ``raysim.runtime.cluster.create_pool`` sees the
+GPUs, exactly as ``raysim run`` reserves them. ``raysim.engine.cluster.create_pool`` sees the
 trial's group and places host h on bundle 1+h, so a trial never competes with another for its
 hosts, and Tune starts a trial only once its whole group fits.
 
@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.tuning import space as sp
 
 HEAD_MEMORY = 64 * 2**20  # bytes; keeps bundle 0 non-empty when the trial itself asks for 0 CPUs
@@ -56,7 +56,8 @@ def num_hosts_for(run_raw: dict) -> int:
     a data error into one clear message instead of one failed trial after another.
     """
     import ray
-    from raysim.config import host_layout, load_config
+    from raysim.app.configs import load_checked
+    from raysim.engine.layout import host_layout
 
     try:
         n = ray.get(ray.remote(num_cpus=0, max_retries=0)(_count_clients).remote(run_raw))
@@ -65,13 +66,13 @@ def num_hosts_for(run_raw: dict) -> int:
         if isinstance(cause, UserError):  # e.g. a dataset root that does not exist
             raise UserError(str(cause).splitlines()[0]) from None
         raise
-    return host_layout(load_config(raw=run_raw).runtime, n)[0]
+    return host_layout(load_checked(raw=run_raw).runtime, n)[0]
 
 
 def _count_clients(run_raw: dict) -> int:
-    from raysim.config import load_config
-    from raysim.runtime.federation import Federation
-    return Federation(load_config(raw=run_raw)).num_clients
+    from raysim.app.configs import load_checked
+    from raysim.app.experiment import num_clients
+    return num_clients(load_checked(raw=run_raw))
 
 
 def check_fits(bundles: list[dict], local: bool) -> None:
@@ -163,8 +164,8 @@ class Tracker:
 def run_trial(params: dict, ctx: TrialContext) -> None:
     """The Tune function: run one federation with ``params`` and report its evaluated rounds."""
     from ray import tune
-    from raysim.config import load_config
-    from raysim.experiment import federation
+    from raysim.app.configs import load_checked
+    from raysim.app.experiment import federation
 
     run_dir = os.path.join(ctx.search_dir, "trials", tune.get_context().get_trial_name())
     done = read_json(os.path.join(run_dir, "result.json"))
@@ -185,7 +186,7 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     # each trial is tracked like a `raysim run` federation (TensorBoard in its run directory, MLflow
     # if configured), named after the trial so a search's runs line up with trials.parquet
     sp.set_dotted(raw, "tracking.run_name", os.path.basename(run_dir))
-    cfg = load_config(raw=raw)
+    cfg = load_checked(raw=raw)
     _write_placement(run_dir)
     tracker = Tracker(cfg.rounds, attempt, earlier)
     t0 = time.time()

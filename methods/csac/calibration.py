@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 MMD_MULTIPLIERS = tuple(3.0 ** k for k in range(-3, 2))  # s_k = 3^-3 .. 3^1 (DAN / TLL, code)
 MMD_EPS = 1e-8  # added to sigma^2 so collapsed features cannot divide by zero (spec 9.15)

@@ -57,12 +57,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload
-from raysim.hparams import Hparams, Space
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.csac.calibration import (FeatureTaps, Projections, attention_weights, default_layers, mk_mmd,
                                              mk_mmd_pairs, mse_discrepancy)
-from raysim.settings import setting
+from raysim.core.settings import setting
 
 
 # ============================================================================= hyperparameters

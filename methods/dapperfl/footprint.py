@@ -8,7 +8,7 @@ import torch
 import yaml
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.methods.dapperfl.masks import apply_masks, prune_masks
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # rho of capability tiers C_1..C_5 (Sec. 4.2)
@@ -81,7 +81,7 @@ def footprint_from_run(run_dir: str, show: bool = True, scheme: str = "filters")
     """The footprint table of a finished run, from the per-client metrics its clients reported
     (``run_dir`` is a DapperFL run or a comparison holding a ``dapperfl/`` folder): one row per tier,
     at the run's own input size, with the clients of the tier and their domains."""
-    from raysim.metrics import read
+    from raysim.engine.metrics import read
     for d in (run_dir, os.path.join(run_dir, "dapperfl")):
         if os.path.isfile(os.path.join(d, "metrics.parquet")):
             break

@@ -80,15 +80,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload, client_weight
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import ClientContext, Method, Upload, client_weight
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, run_hparams, summary_section
 from raysim.methods.dapperfl.masks import apply_masks, prune_masks
-from raysim.profiles import level_tiers
-from raysim.settings import setting
-from raysim.training import collect_bn_stats
+from raysim.core.tiers import level_tiers
+from raysim.core.settings import setting
+from raysim.core.training import collect_bn_stats
 
 
 # ============================================================================= hyperparameters

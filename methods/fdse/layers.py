@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models.norm import is_norm
 
 ACTIVATIONS = ("relu", "none")

@@ -49,16 +49,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim.aggregation import KeepAll, weighted_mean
-from raysim.contract import ClientContext, Method, Upload, sgd_step
-from raysim.errors import UserError
-from raysim.hparams import Hparams, Space
+from raysim.core.aggregation import KeepAll, weighted_mean
+from raysim.core.contract import ClientContext, Method, Upload, sgd_step
+from raysim.core.errors import UserError
+from raysim.core.hparams import Hparams, Space
 from raysim.methods.fdse.aggregation import consensus_update, similarity_attention
 from raysim.methods.fdse.consistency import ConsistencyRegularizer
 from raysim.methods.fdse.layers import ACTIVATIONS, decompose, dse_blocks
-from raysim.settings import setting
-from raysim.tensors import load_tensors
-from raysim.tensors import cpu_copy
+from raysim.core.settings import setting
+from raysim.core.tensors import load_tensors
+from raysim.core.tensors import cpu_copy
 
 ODD_KERNELS = (1, 3, 5, 7)
 

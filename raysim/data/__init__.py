@@ -13,7 +13,7 @@ import importlib
 import inspect
 
 from raysim.data.splits import ALL, SPLITS, ArraySplit, ConcatSplit, FileSplit, MultiDomainDataset, Split
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 # name -> (module, function, what it is)
 _REGISTRY = {

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def _rand(n: int, g: torch.Generator | None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 
 from raysim.data.folders import build, carve, check_files, require_dir, resolve_options, split_rng
 from raysim.data.splits import MultiDomainDataset
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 CLASSES = ["normal", "tumor"]
 PRESETS = {

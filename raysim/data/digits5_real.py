@@ -25,7 +25,7 @@ from raysim.data.digits5 import resize_rgb
 from raysim.data.folders import require_dir, resolve_options
 from raysim.data.pickled import load_arrays
 from raysim.data.splits import ArraySplit, MultiDomainDataset, resolve_normalization
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 DOMAINS = ("mnist", "mnistm", "usps", "synth", "svhn")
 FEDBN_FOLDERS = {"mnist": "MNIST", "mnistm": "MNIST_M", "usps": "USPS", "synth": "SynthDigits", "svhn": "SVHN"}

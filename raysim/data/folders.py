@@ -29,7 +29,7 @@ from raysim.data.augment import make_augment
 from raysim.data.pickled import load_arrays
 from raysim.data.splits import (ALL, SPLITS, FileSplit, MultiDomainDataset, resolve_normalization,
                                 stratified_carve)
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 

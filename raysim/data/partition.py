@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 
 from raysim.data.splits import ALL, SPLITS
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 KINDS = ("per_domain", "dirichlet", "cross_device")
 _COMMON = {"kind", "domains", "shared_test", "shuffle"}

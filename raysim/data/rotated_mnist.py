@@ -19,7 +19,7 @@ from PIL import Image
 
 from raysim.data.augment import make_augment
 from raysim.data.splits import SPLITS, ArraySplit, MultiDomainDataset, resolve_normalization, stratified_carve
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 ANGLES = (0, 15, 30, 45, 60, 75)
 DOMAINS = tuple(str(a) for a in ANGLES)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from raysim.data.augment import make_augment, preset_name
 from raysim.data.partition import Partition, client_data
 from raysim.data.splits import SPLITS, ArraySplit, resolve_normalization
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 FORMAT_VERSION = 1
 SCHEMA = pa.schema([
@@ -44,7 +44,7 @@ SCHEMA = pa.schema([
 ])
 
 
-def _resolve(uri_or_path, filesystem) -> tuple[pafs.FileSystem, str]:
+def resolve_uri(uri_or_path, filesystem) -> tuple[pafs.FileSystem, str]:
     s = os.fspath(uri_or_path)
     if filesystem is not None:
         return filesystem, s.rstrip("/") or "/"
@@ -137,7 +137,7 @@ def write_shards(ds, part: Partition, uri_or_path, filesystem: pafs.FileSystem |
     if int(clients_per_file) < 1:
         raise UserError(f"shards: clients_per_file={clients_per_file}: expected >= 1")
     _check_uniform(ds, part)
-    fs, root = _resolve(uri_or_path, filesystem)
+    fs, root = resolve_uri(uri_or_path, filesystem)
     fs.create_dir(root, recursive=True)
     c, h, w = ds.image_shape
     first = ds.split(part.domain(0), "train") if part.num_clients else None
@@ -201,7 +201,7 @@ class ShardData:
 
 
 def read_manifest(uri_or_path, filesystem: pafs.FileSystem | None = None) -> dict:
-    fs, root = _resolve(uri_or_path, filesystem)
+    fs, root = resolve_uri(uri_or_path, filesystem)
     path = posixpath.join(root, "manifest.json")
     try:
         with fs.open_input_stream(path) as f:
@@ -212,7 +212,7 @@ def read_manifest(uri_or_path, filesystem: pafs.FileSystem | None = None) -> dic
 
 def read_index(uri_or_path, filesystem: pafs.FileSystem | None = None) -> pa.Table:
     """Every client's train/val/test counts (columns client_id, train, val, test)."""
-    fs, root = _resolve(uri_or_path, filesystem)
+    fs, root = resolve_uri(uri_or_path, filesystem)
     path = posixpath.join(root, "index.parquet")
     try:
         with fs.open_input_file(path) as f:
@@ -230,7 +230,7 @@ def read_shard(uri_or_path, client_id: int, filesystem: pafs.FileSystem | None =
     ArraySplit float-cache mode ('none' keeps only the uint8 images: 4x less memory per client,
     the same values, normalised per batch).
     """
-    fs, root = _resolve(uri_or_path, filesystem)
+    fs, root = resolve_uri(uri_or_path, filesystem)
     m = manifest or read_manifest(root, fs)
     cid = int(client_id)
     if not 0 <= cid < m["num_clients"]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from raysim.data import load
 from raysim.data.splits import SPLITS
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def table(ds) -> str:

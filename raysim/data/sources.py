@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def package_file(package: str, *parts: str) -> Path:

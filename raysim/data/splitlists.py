@@ -16,7 +16,7 @@ from typing import Sequence
 from raysim.data.folders import (build, carve, check_files, find_dir, list_images, require_dir, resolve_options,
                                  split_rng)
 from raysim.data.splits import ALL, MultiDomainDataset
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def read_split_file(path: Path, image_root: Path, label_offset: int = 0) -> list[tuple[str, int]]:

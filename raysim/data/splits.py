@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 SPLITS = ("train", "val", "test")
 #: the extra split name every dataset answers: the whole domain, without duplicates

@@ -39,8 +39,20 @@ from raysim.models import mlp as _mlp  # noqa: E402,F401
 from raysim.models import resnet_cifar as _resnet_cifar  # noqa: E402,F401
 from raysim.models import resnet_tv as _resnet_tv  # noqa: E402,F401
 
+
+
+def from_setup(setup, **overrides):
+    """The model a federation's ``Setup`` describes (``setup.model``: name, norm, pretrained,
+    options; its classes and input shape), with keyword ``overrides`` (e.g. ``norm="none"``)."""
+    m = setup.model
+    kw = dict(num_classes=setup.num_classes, in_channels=setup.image_shape[0], input_size=setup.image_shape[-1],
+              norm=m.norm, pretrained=m.pretrained, **m.options)
+    kw.update(overrides)
+    return build(m.name, **kw)
+
+
 __all__ = [
-    "build", "available", "options", "register", "count_params", "count_flops", "load_pretrained",
+    "from_setup", "build", "available", "options", "register", "count_params", "count_flops", "load_pretrained",
     "NormSpec", "NormFactory", "NORM_NAMES", "make_norm", "gn_groups", "is_norm",
     "Net", "ConvFactory", "default_conv", "resolve_conv",
 ]

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
 from raysim.models.dropout import KeyedDropout
 from raysim.models.norm import NormSpec, check_norm, make_norm

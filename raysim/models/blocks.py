@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def block_ends(features: nn.Sequential) -> list[str]:

@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models.base import ConvFactory, Net, default_conv, resolve_conv
 from raysim.models.norm import NormSpec, check_norm, make_norm
 from raysim.models.pretrained import load_pretrained

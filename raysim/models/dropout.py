@@ -22,7 +22,7 @@ _masks: list[list[torch.Tensor] | None] = []  # client cohorts: the masks of the
 @contextlib.contextmanager
 def cohort_masks(masks: list[torch.Tensor] | None):
     """Inside, each train-mode :class:`KeyedDropout` takes the next of ``masks`` instead of drawing
-    one: client cohorts (:mod:`raysim.runtime.cohort`) draw every client's masks from its own
+    one: client cohorts (:mod:`raysim.engine.cohort`) draw every client's masks from its own
     generator outside ``vmap`` and pass them in. None: no masks (a model without dropout)."""
     _masks.append(None if masks is None else list(masks))
     try:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models.base import ConvFactory, Net, default_conv
 from raysim.models.norm import NormSpec, make_norm
 from raysim.models.registry import register

@@ -27,7 +27,7 @@ from typing import Callable, Union
 
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 NormFactory = Callable[[int, int], nn.Module]
 NormSpec = Union[str, NormFactory]

@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def _is_norm_key(key: str) -> bool:

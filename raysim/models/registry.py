@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models.dropout import keyed_dropout
 from raysim.models.norm import check_norm
 

@@ -116,8 +116,8 @@ def _metrics(run_dir) -> "pd.DataFrame":  # noqa: F821
 
 
 def test_two_node_run_places_hosts_on_both_nodes_and_matches_single_node(two_node_cluster, tmp_path):
-    from raysim.experiment import run
-    from raysim.runtime.datashards import write_federation_shards
+    from raysim.app.experiment import run
+    from raysim.app.sharding import write_federation_shards
 
     address, env = two_node_cluster
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import torch
 
 from raysim.data import load
 from raysim.data.digits5 import DOMAINS, cache_path, generate
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def digest(arrays: dict) -> str:

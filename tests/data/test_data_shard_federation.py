@@ -8,9 +8,9 @@ import torch
 
 import raysim.data
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.runtime.datashards import write_federation_shards
-from raysim.runtime.federation import Federation
+from raysim.core.errors import UserError
+from raysim.app.sharding import write_federation_shards
+from raysim.engine.federation import Federation
 
 RAW = {
     "method": "fedbn", "rounds": 1, "seed": 1,
@@ -93,7 +93,7 @@ def test_leave_one_domain_out_shards(tmp_path, data_cache):
     index = write_federation_shards(cfg(raw=raw), uri)
     assert index["holdouts"] == ["45"]
     assert sorted(os.listdir(tmp_path / "lodo" / "holdout-45")) == ["source", "target"]
-    from raysim.runtime.datashards import lodo_holdouts
+    from raysim.app.rundir import lodo_holdouts
     assert lodo_holdouts(cfg(f"data.shards={uri}", raw=raw)) == ["45"]
     plain = Federation(cfg("data.partition.holdout='45'", raw=raw))
     fed = Federation(cfg("data.partition.holdout='45'", f"data.shards={uri}", raw=raw))

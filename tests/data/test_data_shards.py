@@ -10,7 +10,7 @@ import torch
 from raysim.data import load
 from raysim.data.partition import client_data, leave_one_domain_out, make_partition
 from raysim.data.shards import read_index, read_manifest, read_shard, write_shards
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 @pytest.fixture(scope="module")

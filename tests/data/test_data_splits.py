@@ -8,7 +8,7 @@ from PIL import Image
 
 from raysim.data import augment as A
 from raysim.data.splits import ArraySplit, ConcatSplit, FileSplit, MultiDomainDataset, stratified_carve
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 
 def _array_split(n=40, size=16, aug=None, seed=0):

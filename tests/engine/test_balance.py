@@ -1,4 +1,4 @@
-"""Work stealing between hosts (raysim.runtime.balance): the plan hands out chunks as the
+"""Work stealing between hosts (raysim.engine.balance): the plan hands out chunks as the
 description says, and which host trains a client never changes the results (real Ray actors,
 records through the object store)."""
 import os
@@ -6,8 +6,8 @@ import os
 import pyarrow.parquet as pq
 
 from raysim.config import load_config
-from raysim.experiment import federation
-from raysim.runtime.balance import ElsewherePlan, StealingPlan
+from raysim.app.experiment import federation
+from raysim.engine.balance import ElsewherePlan, StealingPlan
 
 TINY = {
     "method": "fedbn", "rounds": 3, "seed": 5, "clients_per_round": 4,

@@ -9,7 +9,7 @@ import pandas as pd
 import yaml
 
 from raysim.cli import main
-from raysim.metrics import MetricsLog
+from raysim.engine.metrics import MetricsLog
 
 
 def flat(text: str) -> str:
@@ -59,8 +59,8 @@ def test_methods_fdse_shows_hyperparameters_and_search_space(capsys):
 
 
 def test_methods_renders_choice_and_uniform_spaces():
-    from raysim.catalog import space_text
-    from raysim.hparams import Space
+    from raysim.app.catalog import space_text
+    from raysim.core.hparams import Space
     assert space_text(Space.uniform(0.1, 0.9)) == "uniform(0.1, 0.9)"
     assert space_text(Space.log(1e-3, 0.1)) == "log(0.001, 0.1)"
     assert space_text(Space.choice(0.2, 0.4)) == "choice(0.2, 0.4)"
@@ -179,7 +179,7 @@ def test_compare_errors_are_one_line(tmp_path):
 
 
 def test_summary_puts_the_papers_figures_beside_ours(tmp_path):
-    from raysim.report import render
+    from raysim.app.report import render
     paper = {"source": "Somebody et al., Table 1", "metrics": {"AVG": {"fdse": [60.0, 1.5]}}}
     a = seeded_run(tmp_path / "exp_a", ["fedavg", "fdse"], paper=paper)
     text = flat(render(a))

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raysim import checkpoint
+from raysim.engine import checkpoint
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import federation, resume_config
-from raysim.metrics import MetricsLog
+from raysim.core.errors import UserError
+from raysim.app.experiment import federation, resume_config
+from raysim.engine.metrics import MetricsLog
 
 SMALL = {
     "method": "fedbn", "rounds": 4, "seed": 5,

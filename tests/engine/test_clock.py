@@ -1,6 +1,6 @@
 """Client system profiles and the simulated clock: hand-computed times, availability, memory
 budgets, deadlines, and the same simulated times on any host layout; every pass a client step runs
-is charged (raysim.runtime.compute), whichever method runs it."""
+is charged (raysim.engine.compute), whichever method runs it."""
 import copy
 import os
 
@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import federation
-from raysim.profiles import device_time, fits_memory, read_trace
-from raysim.runtime.backend import InProcess
-from raysim.runtime.compute import ComputeMeter
+from raysim.core.errors import UserError
+from raysim.app.experiment import federation
+from raysim.engine.clock import device_time, fits_memory, read_trace
+from raysim.engine.backend import InProcess
+from raysim.engine.compute import ComputeMeter
 
 LEVELS = [{"name": "fast", "flops": 1.0e9, "up_mbps": 10, "down_mbps": 50},
           {"name": "slow", "flops": 1.0e8, "up_mbps": 1, "down_mbps": 5, "availability": 0.6}]
@@ -153,9 +153,9 @@ def charged(method, hp=None, rounds=1, **train):
     model it trained, the upload): the real method on a tiny federation, in this process. Client 0
     holds 12 training images (batches of 8 and 4)."""
     import torch
-    from raysim.contract import ClientContext
-    from raysim.runtime.federation import Federation
-    from raysim.runtime.seeding import generator_for
+    from raysim.core.contract import ClientContext
+    from raysim.engine.federation import Federation
+    from raysim.core.seeding import generator_for
     raw = {**TINY, "method": method, "train": {**TINY["train"], **train}}
     if hp:
         raw["hp"] = {method: hp}

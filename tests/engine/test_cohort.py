@@ -1,4 +1,4 @@
-"""Client cohorts (raysim.runtime.cohort) against the per-client path, on the CPU, without Ray.
+"""Client cohorts (raysim.engine.cohort) against the per-client path, on the CPU, without Ray.
 
 K clients trained as one vectorized step must leave every client where ``local_update`` alone
 leaves it: its weights and buffers (BN running statistics), its upload, its loss and steps, and the
@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.contract import ClientContext, LocalLoss, Method, Setup
+from raysim.models import from_setup
+from raysim.core.contract import ClientContext, LocalLoss, Method, Setup
 from raysim.models.dropout import KeyedDropout, dropout_generator
-from raysim.runtime.cohort import CohortClient, cohort_ready, run_cohort
-from raysim.runtime.compute import ComputeMeter
-from raysim.tensors import load_tensors
+from raysim.engine.cohort import CohortClient, cohort_ready, run_cohort
+from raysim.engine.compute import ComputeMeter
+from raysim.core.tensors import load_tensors
 
 
 
@@ -65,7 +66,7 @@ def train_cfg(**kw):
 def method_named(name, **hp):
     from raysim.methods import registry
     cls = registry.get(name) if hasattr(registry, "get") else registry.METHODS[name]
-    setup = Setup(num_classes=3, image_shape=(2, 4, 4), num_clients=len(SIZES), client_domains=["a"] * len(SIZES),
+    setup = Setup(model_builder=from_setup, num_classes=3, image_shape=(2, 4, 4), num_clients=len(SIZES), client_domains=["a"] * len(SIZES),
                   model=None, train=train_cfg(), rounds=1, seed=0)
     return cls(cls.hparams_from(hp), setup)
 
@@ -221,8 +222,8 @@ def test_in_float64_the_zoo_cnn_agrees_to_rounding(monkeypatch):
 
 def test_cohort_size_setting():
     from raysim.config import load_config
-    from raysim.errors import UserError
-    from raysim.runtime.cohort import auto_cohort_size
+    from raysim.core.errors import UserError
+    from raysim.engine.cohort import auto_cohort_size
     raw = {"method": "fedavg", "data": {"dataset": "digits5", "partition": {"kind": "per_domain"}}}
     assert load_config(raw=raw).runtime.cohort_size == 0  # off by default
     assert load_config(raw=raw, overrides=["runtime.cohort_size=auto"]).runtime.cohort_size == "auto"

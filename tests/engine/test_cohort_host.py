@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from raysim.config import load_config
-from raysim.experiment import federation
-from raysim.runtime import cohort
-from raysim.runtime.backend import InProcess
-from raysim.runtime.cohort import train_cohort
+from raysim.app.experiment import federation
+from raysim.engine import cohort
+from raysim.engine.backend import InProcess
+from raysim.engine.cohort import train_cohort
 
 LEVELS = [{"name": "fast", "flops": 1.0e9, "up_mbps": 10, "down_mbps": 50},
           {"name": "slow", "flops": 1.0e8, "up_mbps": 1, "down_mbps": 5}]
@@ -73,7 +73,7 @@ def test_a_round_in_cohorts_is_the_per_client_round(method, tmp_path, monkeypatc
 def test_cohorts_on_two_hosts_with_moved_records_and_post_train_evaluation(tmp_path, monkeypatch):
     """Every client trained on another host than its own (its record travels there and back) and
     scored as it left training (eval.point post_train): cohorts change nothing but rounding."""
-    from raysim.runtime.balance import ElsewherePlan
+    from raysim.engine.balance import ElsewherePlan
     sizes = []
 
     def spy(model, members, meter=False):

@@ -2,8 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from raysim.config import apply_overrides, host_layout, load_config, RuntimeConfig
-from raysim.errors import UserError
+from raysim.app.configs import load_checked
+from raysim.config import apply_overrides, load_config, RuntimeConfig
+from raysim.engine.layout import host_layout
+from raysim.core.errors import UserError
 
 
 def test_defaults_and_overrides():
@@ -45,7 +47,7 @@ def test_method_override_replaces_methods_list():
 ])
 def test_bad_configs_give_one_line_errors(raw, fragment):
     with pytest.raises(UserError) as err:
-        load_config(raw=raw)
+        load_checked(raw=raw)
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
 

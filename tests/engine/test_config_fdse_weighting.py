@@ -12,7 +12,7 @@ CONFIGS = Path(__file__).parents[2] / "configs" / "fdse"
 @pytest.mark.parametrize("name", ["office_caltech10", "pacs", "domainnet"])
 def test_fdse_table1_ditto_and_lg_fedavg_average_uniformly(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
-    # what a run of each method sees: the config narrowed to it, per_method merged in (raysim.experiment)
+    # what a run of each method sees: the config narrowed to it, per_method merged in (raysim.app.experiment)
     assert cfg.for_method("ditto").train.weighting == "uniform"
     assert cfg.for_method("lg_fedavg").train.weighting == "uniform"
     assert cfg.for_method("fedavg").train.weighting == "samples"

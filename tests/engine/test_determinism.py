@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import federation
+from raysim.core.errors import UserError
+from raysim.app.experiment import federation
 from raysim.models import registry
 from raysim.models.registry import register
-from raysim.runtime.backend import InProcess
-from raysim.runtime.determinism import ENV, actor_options, configure, nondeterministic_error
+from raysim.engine.backend import InProcess
+from raysim.engine.determinism import ENV, actor_options, configure, nondeterministic_error
 
 RAW = {
     "method": "fedavg", "rounds": 2, "seed": 2,
@@ -85,7 +85,7 @@ def test_host_actors_start_with_the_cublas_variable(ray_session):
     environment the process was started with), put there by the actor's runtime_env."""
     import ray
 
-    from raysim.runtime.cluster import create_pool, stop_pool
+    from raysim.engine.cluster import create_pool, stop_pool
 
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # not inherited from this process
     cfg = cfg_of("runtime.deterministic=true", "runtime.num_hosts=1", "runtime.cpus_per_host=0.5")
@@ -160,7 +160,7 @@ def test_ray_backend_translates_the_error_of_a_remote_call(ray_session):
     """The error as a host actor's call returns it to the driver (a RayTaskError around torch's)."""
     import ray
 
-    from raysim.runtime.backend import RayActors
+    from raysim.engine.backend import RayActors
 
     @ray.remote(num_cpus=0.1)
     def flagged_op():

@@ -1,6 +1,6 @@
-"""The device-resident hot path (the placement rule of ``raysim.contract``), checked on the CPU.
+"""The device-resident hot path (the placement rule of ``raysim.core.contract``), checked on the CPU.
 
-* The host's moves between CPU and device memory (``raysim.tensors.to_device``, which counts them)
+* The host's moves between CPU and device memory (``raysim.core.tensors.to_device``, which counts them)
   grow with hosts, not with clients: one payload move and one partial-result move per host per
   round, whether the host trains 2 clients or 8.
 * ``accumulate``'s fused ``add_(t, alpha=w)`` is used on the CPU only where it rounds exactly like
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.aggregation import KeepAll, WeightedMean, accumulate, exact_product
+from raysim.core.aggregation import KeepAll, WeightedMean, accumulate, exact_product
 from raysim.config import load_config
-from raysim.contract import Upload
-from raysim.runtime.store import ClientStateStore
-from raysim.tensors import TRANSFERS, cpu_copy, keep_state_on, to_device
+from raysim.core.contract import Upload
+from raysim.engine.store import ClientStateStore
+from raysim.core.tensors import TRANSFERS, cpu_copy, keep_state_on, to_device
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "methods"))
 from accelerator import devices, simulated_accelerator  # noqa: E402
@@ -91,11 +91,11 @@ def host_rounds(monkeypatch, clients_per_domain: int, method: str = "fedbn", rou
                 runtime=None) -> list[dict]:
     """Server and one ClientHost in this process (no Ray): each round's ``to_device`` counts."""
     import raysim.data
-    import raysim.runtime.host as host_mod
-    from raysim.runtime.server import Server
+    import raysim.engine.host as host_mod
+    from raysim.engine.server import Server
     monkeypatch.setattr(raysim.data, "load", lambda *a, **k: tiny_domains())
     if device is not None:
-        from raysim.runtime.seeding import generator_for
+        from raysim.core.seeding import generator_for
         monkeypatch.setattr(host_mod, "pick_device", lambda gpu_ids: device)
         # the stand-in has no generators of its own: the dropout stream (unused by small_cnn) on the CPU
         monkeypatch.setattr(host_mod, "generator_for", lambda *key, **_: generator_for(*key[:4]))

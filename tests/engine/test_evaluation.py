@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.metrics import MetricsLog
-from raysim.report import paired_comparison, summarize
+from raysim.core.errors import UserError
+from raysim.engine.metrics import MetricsLog
+from raysim.app.report import paired_comparison, summarize
 
 TINY = {
     "method": "fedavg", "rounds": 1, "seed": 3,
@@ -61,7 +61,7 @@ def test_avg_is_the_mean_over_domains_with_3_1_1_1_1_clients():
 
 
 def test_a_run_with_unequal_clients_per_domain_writes_avg_and_avg_clients(ray_session, tmp_path):
-    from raysim.experiment import run
+    from raysim.app.experiment import run
     run(tiny("data.partition.clients_per_domain=[3,1,1,1,1]"), out=str(tmp_path), progress=False)
     df = metrics(tmp_path)
     test = df[(df.split == "test") & (df.metric == "accuracy")]
@@ -122,7 +122,7 @@ def test_seeds_and_select_config():
 # ----------------------------------------------------------------------------- seeds
 
 def test_seeds_run_every_method_per_seed_and_summarize_mean_std_and_pairs(ray_session, tmp_path):
-    from raysim.experiment import run
+    from raysim.app.experiment import run
     run(tiny("methods=[fedavg,fedbn]", "seeds=[0,1]"), out=str(tmp_path), progress=False)
     for m in ("fedavg", "fedbn"):
         for s in (0, 1):
@@ -133,7 +133,7 @@ def test_seeds_run_every_method_per_seed_and_summarize_mean_std_and_pairs(ray_se
     text = open(tmp_path / "summary.md").read()
     assert "mean ± std over seeds 0, 1" in text and " ± " in text
     assert "## Paired comparison with fedavg" in text and "| fedbn |" in re.sub(" +", " ", text)
-    from raysim.report import render
+    from raysim.app.report import render
     assert render(str(tmp_path)) == text  # raysim report re-renders the same
 
 
@@ -154,8 +154,8 @@ def lodo_host_round(method, monkeypatch, rounds=2, **hp):
     """Server and ClientHost objects in this process (no actors): rounds of training on domains
     a-c, then the evaluation of the held-out domain d."""
     import raysim.data
-    from raysim.runtime.host import ClientHost
-    from raysim.runtime.server import Server
+    from raysim.engine.host import ClientHost
+    from raysim.engine.server import Server
     monkeypatch.setattr(raysim.data, "load", lambda *a, **k: tiny_domains())
     cfg = load_config(raw={
         "method": method, "rounds": rounds, "seed": 1,
@@ -193,7 +193,7 @@ def test_fdse_unseen_domain_model_has_trained_dse_and_data_estimated_bn_dse_stat
 
 
 def test_fedbn_unseen_domain_collects_its_bn_statistics(ray_session, monkeypatch):
-    from raysim.training import collect_bn_stats
+    from raysim.core.training import collect_bn_stats
     server, host, out = lodo_host_round("fedbn", monkeypatch)
     assert set(out[3]) == {"test", "test_unadapted"}
     sd = host.model.state_dict()

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from raysim.config import TrainConfig, load_config
-from raysim.contract import ClientContext, ClientData
+from raysim.core.contract import ClientContext, ClientData
 from raysim.data import load
 from raysim.data.augment import make_augment
 from raysim.data.splits import ArraySplit
 from raysim.models import build
-from raysim.runtime.clientdata import DeviceBudget, SplitView, device_budget, keep_on_device
-from raysim.training import evaluate, train_epochs
+from raysim.engine.clientdata import DeviceBudget, SplitView, device_budget, keep_on_device
+from raysim.core.training import evaluate, train_epochs
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 CPU = torch.device("cpu")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from raysim.config import load_config
-from raysim.profiles import client_profiles
-from raysim.runtime.federation import ClientDomains, Federation, PooledPartition
-from raysim.runtime.seeding import SERVER, rng_for
-from raysim.runtime.server import Server
+from raysim.engine.clock import client_profiles
+from raysim.engine.federation import ClientDomains, Federation, PooledPartition
+from raysim.core.seeding import SERVER, rng_for
+from raysim.engine.server import Server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:

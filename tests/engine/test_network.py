@@ -1,7 +1,7 @@
 """A local run is reachable from this machine only, and only with Ray's token.
 
 The session's Ray instance is started the way `raysim run` starts its own
-(raysim.runtime.cluster.start_local_ray, called by tests/conftest.py). While a small federation
+(raysim.engine.cluster.start_local_ray, called by tests/conftest.py). While a small federation
 runs on it, every listening TCP socket of every process of this process tree (the GCS, the
 raylet, the runtime-env agent, the driver, the Server and ClientHost actors, idle workers) is
 read from /proc and must be on a loopback address; a gRPC call to the GCS without the token (or
@@ -18,8 +18,8 @@ from typing import NamedTuple
 import pytest
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import federation
+from raysim.core.errors import UserError
+from raysim.app.experiment import federation
 
 RUN = {
     "method": "fedavg", "rounds": 1, "seed": 2,
@@ -161,7 +161,7 @@ def test_joining_a_cluster_asks_for_token_authentication(monkeypatch):
     or wrong token is one line that says where the token goes."""
     import ray
 
-    from raysim.runtime import cluster
+    from raysim.engine import cluster
 
     modes = []
 
@@ -197,7 +197,7 @@ def test_a_local_ray_is_started_with_token_auth_set_by_raysim(monkeypatch, user_
     from ray._private import ray_constants
     from ray._private.authentication import authentication_token_setup
 
-    from raysim.runtime import cluster
+    from raysim.engine import cluster
 
     seen = {}
 

@@ -104,7 +104,7 @@ def test_board_rows_from_threads_and_final_table():
 
     from rich.console import Console
 
-    from raysim.progress import LiveBoard, ProgressCallback
+    from raysim.app.progress import LiveBoard, ProgressCallback
 
     console = Console(file=io.StringIO(), force_terminal=True, width=120, height=40)
     board = LiveBoard("demo", console=console)
@@ -133,7 +133,7 @@ def test_board_rows_from_threads_and_final_table():
 
 
 def test_plain_line_format(capsys):
-    from raysim.progress import ProgressCallback
+    from raysim.app.progress import ProgressCallback
 
     cb = ProgressCallback(10, "fedbn[seed 1]", "lines")
     cb.on_start(None)

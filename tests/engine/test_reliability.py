@@ -12,13 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raysim import checkpoint
+from raysim.engine import checkpoint
 from raysim.cli import main
 from raysim.config import load_config
-from raysim.errors import Interrupted, RunFailed, UserError
-from raysim.experiment import federation, resume_config
-from raysim.metrics import MetricsLog
-from raysim.runtime.backend import InProcess
+from raysim.core.errors import Interrupted, RunFailed, UserError
+from raysim.app.experiment import federation, resume_config
+from raysim.engine.metrics import MetricsLog
+from raysim.engine.backend import InProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:

@@ -13,14 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from raysim import experiment
+from raysim.app import experiment
 from raysim.cli import main
 from raysim.config import dump_yaml, load_config
-from raysim.errors import Interrupted, RunFailed, Terminated, UserError
-from raysim.runfolder import LOCK, LOCK_STALE_S, RunLock, holds_run_of
-from raysim.runtime import loop
-from raysim.runtime.backend import InProcess
-from raysim.runtime.cluster import plain_reason
+from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError
+from raysim.app.rundir import LOCK, LOCK_STALE_S, RunLock, holds_run_of
+from raysim.engine import loop
+from raysim.engine.backend import InProcess
+from raysim.engine.cluster import plain_reason
 
 BASE = {
     "method": "fedbn", "rounds": 6, "seed": 7,
@@ -172,7 +172,7 @@ def test_a_lost_actors_reason_is_plain_words():
                 "actor_id: 8a6f\n\tpid: 2219\n\tnamespace: x\nThe actor is dead because its worker process has "
                 "died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits ...")
     wrapped = TaskError("\x1b[36mray::Server.aggregate()\x1b[39m (pid=2220, ip=127.0.0.1, actor_id=59d0, "
-                        "repr=<raysim.runtime.server.Server object at 0x7fb9>)\n  At least one of the input "
+                        "repr=<raysim.engine.server.Server object at 0x7fb9>)\n  At least one of the input "
                         "arguments for this task could not be computed:\n" + str(died), died)
     assert plain_reason(wrapped) == plain_reason(died) == "its worker process has died, pid 2219"
 
@@ -204,7 +204,7 @@ def test_an_interrupt_exits_130_or_143_with_the_resume_hint_when_there_is_someth
 
 
 def test_a_failed_write_exits_1_in_one_line(tmp_path, monkeypatch, capsys):
-    from raysim.runfolder import WriteFailed
+    from raysim.core.files import WriteFailed
 
     def disk_full(*args, **kwargs):
         raise RunFailed(f"{WriteFailed('x/metrics.parquet', OSError(28, 'No space left on device'))}; "

@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import run
+from raysim.core.errors import UserError
+from raysim.app.experiment import run
 
 TINY = {
     "method": "fedavg", "rounds": 2, "seed": 3,
@@ -68,7 +68,7 @@ def test_same_metrics_whatever_the_host_layout(fedbn_one_host, tmp_path, runtime
 def test_fractional_gpu_hosts_fall_back_to_cpu(ray_session, tmp_path):
     """Four hosts at 0.25 logical GPU each share the one declared GPU; torch sees no CUDA -> CPU."""
     import ray
-    from raysim.runtime.cluster import create_pool
+    from raysim.engine.cluster import create_pool
 
     cfg = tiny("runtime.num_hosts=4", "runtime.cpus_per_host=0.5", "runtime.gpus_per_host=0.25")
     hosts, owner, pg = create_pool(cfg, 4, 5)  # digits5 per_domain: 5 clients
@@ -115,7 +115,7 @@ def test_leave_one_domain_out_trains_on_sources_and_tests_the_unseen_domain(ray_
 def test_held_out_domains_run_in_parallel_with_the_same_metrics(ray_session, tmp_path):
     """One host per federation on the session's 2 CPUs: two held-out domains train at once, and a
     held-out domain gives the metrics it gives when run alone."""
-    from raysim.runtime.cluster import parallel_slots
+    from raysim.engine.cluster import parallel_slots
     base = ("eval.protocol=lodo", "eval.holdout=all", "rounds=1", "runtime.num_hosts=1",
             "data.partition.train_size=32")
     assert parallel_slots(tiny(*base), 5) == 2

@@ -156,7 +156,7 @@ def test_a_pickle_that_would_run_code_is_refused_before_it_runs(tmp_path, contai
 
 def test_the_dataset_loaders_refuse_a_pickle_that_would_run_code(tmp_path):
     from raysim.data.digits5_real import _load_pkl
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
 
     marker = str(tmp_path / "ran")
     (tmp_path / "train.pkl").write_bytes(pickle.dumps((np.zeros((2, 28, 28), np.uint8), _RunsCode(marker))))

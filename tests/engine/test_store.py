@@ -1,6 +1,6 @@
 import torch
 
-from raysim.runtime.store import ClientStateStore, state_nbytes
+from raysim.engine.store import ClientStateStore, state_nbytes
 
 
 def test_idle_clients_spill_to_disk_and_come_back_identical(tmp_path):
@@ -27,7 +27,7 @@ def test_state_nbytes_counts_tensor_bytes():
 
 
 def test_packed_states_come_back_equal_and_mixed_states_stay_as_they_are(tmp_path):
-    from raysim.runtime.store import Packed, pack, unpack
+    from raysim.engine.store import Packed, pack, unpack
 
     state = {"personal": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),  # non-contiguous
                           "n": torch.tensor(7), "mask": torch.tensor([True, False, True]),

@@ -1,5 +1,5 @@
-"""Experiment tracking (raysim.tracking) against the real things: a tiny federation in this process
-(the real round loop, Server and ClientHost on raysim.runtime.backend.InProcess) writes TensorBoard
+"""Experiment tracking (raysim.app.tracking) against the real things: a tiny federation in this process
+(the real round loop, Server and ClientHost on raysim.engine.backend.InProcess) writes TensorBoard
 event files that TensorBoard's own reader reads back, and logs to a real MLflow tracking server
 started here on 127.0.0.1 (installed by the test extra), queried with MLflow's own client."""
 import os
@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from raysim.config import load_config
-from raysim.errors import UserError
-from raysim.experiment import federation
-from raysim.runtime.backend import InProcess
-from raysim.tracking import flat_config, log_report, run_name, tag_of
+from raysim.core.errors import UserError
+from raysim.app.experiment import federation
+from raysim.engine.backend import InProcess
+from raysim.app.tracking import flat_config, log_report, run_name, tag_of
 
 TINY = {
     "method": "fedavg", "rounds": 2, "seed": 11,
@@ -177,7 +177,7 @@ def test_mlflow_logs_metrics_params_and_artifacts(tmp_path, mlflow_server):
         pytest.skip("mlflow is not installed (pip install -e '.[test]' installs it)")
     from mlflow.tracking import MlflowClient
 
-    from raysim import report
+    from raysim.app import report
 
     uri = mlflow_server.wait()
     cfg, df = run_tiny(tmp_path, f"tracking.mlflow_uri={uri}", "tracking.mlflow_experiment=raysim-test")

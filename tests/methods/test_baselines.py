@@ -2,14 +2,14 @@
 import torch
 from torch import nn
 
-from raysim.aggregation import Mean, WeightedMean
-from raysim.contract import Upload
-from raysim.tensors import bn_keys, load_tensors
+from raysim.core.aggregation import Mean, WeightedMean
+from raysim.core.contract import Upload
+from raysim.core.tensors import bn_keys, load_tensors
 from raysim.methods.fedavg import FedAvg
 from raysim.methods.fedbn import FedBN
 from raysim.methods.fedprox import FedProx, proximal_term
 from raysim.methods.local import Local
-from raysim.runtime.server import Server
+from raysim.engine.server import Server
 
 
 def tiny():

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.aggregation import Mean, WeightedMean
+from raysim.models import from_setup
+from raysim.core.aggregation import Mean, WeightedMean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.contract import ClientContext, Setup, Upload, sgd_step
-from raysim.errors import UserError
+from raysim.core.contract import ClientContext, Setup, Upload, sgd_step
+from raysim.core.errors import UserError
 from raysim.methods.ditto import Ditto, personal_objective
 from raysim.methods.feddyn import FedDyn, dynamic_regularizer, server_step
 from raysim.methods.lg_fedavg import LGFedAvg, global_modules
@@ -21,7 +22,7 @@ from raysim.models import build
 
 
 def setup(n=2, **kw):
-    return Setup(num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
+    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
                  model=ModelConfig(name="small_cnn", norm="bn"), train=TrainConfig(), rounds=3, seed=0, **kw)
 
 

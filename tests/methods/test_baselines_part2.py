@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.aggregation import AllUploads, Mean
+from raysim.models import from_setup
+from raysim.core.aggregation import AllUploads, Mean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.contract import Setup, Upload
+from raysim.core.contract import Setup, Upload
 from raysim.methods.fedfa import FFALayer, FedFA
 from raysim.models.blocks import block_ends
 from raysim.methods.fedheal import FedHEAL
@@ -16,7 +17,7 @@ from raysim.models import build
 
 
 def setup(name="small_cnn", n=3, size=16):
-    return Setup(num_classes=3, image_shape=(1, size, size), num_clients=n, client_domains=("a",) * n,
+    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, size, size), num_clients=n, client_domains=("a",) * n,
                  model=ModelConfig(name=name, norm="bn"), train=TrainConfig(), rounds=3, seed=0)
 
 
@@ -220,7 +221,7 @@ class _Augmented:
 def test_fpl_local_prototypes_come_from_the_last_epoch():
     """features = flatten (no parameters: z = the image), E = 2: p_c = the class mean of the second
     pass's images, i.e. of x + 10 (both passes would give x + 5)."""
-    from raysim.contract import ClientContext
+    from raysim.core.contract import ClientContext
     from raysim.models.base import Net
     m = FPL(FPL.Hparams(), setup())
     model = Net(torch.nn.Flatten(), torch.nn.Linear(4, 3), (1, 2, 2))

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.aggregation import AllUploads, KeepAll, Mean
+from raysim.models import from_setup
+from raysim.core.aggregation import AllUploads, KeepAll, Mean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.contract import ClientContext, Setup, Upload
-from raysim.errors import UserError
+from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.errors import UserError
 from raysim.methods.copa import COPA, IBN, copa_loss, ensemble_log_probs, make_ibn
 from raysim.methods.fedadg import (DISC, FedADG, FedADGNet, discriminator_loss, feature_loss, generator_loss,
                                    smoothed_ce, soft_labels)
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def setup(n=3, rounds=10):
-    return Setup(num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
+    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
                  model=ModelConfig(name="small_cnn", norm="bn"), train=TrainConfig(), rounds=rounds, seed=0)
 
 

@@ -7,10 +7,11 @@ import torch
 import yaml
 from torch import nn
 
-from raysim.aggregation import Mean
+from raysim.models import from_setup
+from raysim.core.aggregation import Mean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.contract import Setup
-from raysim.errors import UserError
+from raysim.core.contract import Setup
+from raysim.core.errors import UserError
 from raysim.methods.ccst import CCST, StyleSums, adain, adain_decoder, vgg_to_relu4_1
 from raysim.methods.elcfs import (ELCFS, amplitude_window, boundary_loss, episodic_loss, half_width, inner_step,
                                   interpolate_amplitude)
@@ -20,7 +21,7 @@ from raysim.models.base import Net
 
 
 def setup(name="small_cnn", channels=1, size=16, n=3):
-    return Setup(num_classes=3, image_shape=(channels, size, size), num_clients=n, client_domains=("a",) * n,
+    return Setup(model_builder=from_setup, num_classes=3, image_shape=(channels, size, size), num_clients=n, client_domains=("a",) * n,
                  model=ModelConfig(name=name, norm="bn"), train=TrainConfig(), rounds=3, seed=0)
 
 
@@ -119,7 +120,7 @@ class _Pixels:
 def test_elcfs_client_never_draws_its_own_spectra():
     """A client draws from the *other* clients' spectra: with only its own in the bank it trains on
     L_in alone (FedAvg's step, the same batches); another client's spectra make the step episodic."""
-    from raysim.contract import ClientContext
+    from raysim.core.contract import ClientContext
     from raysim.methods.fedavg import FedAvg
     m = ELCFS(ELCFS.Hparams(), setup(size=8))
     model = m.build_model()

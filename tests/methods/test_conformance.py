@@ -1,5 +1,5 @@
 """Every registered method against the engine's promises, on a tiny federation in this process
-(the real round loop, Server and ClientHost; raysim.runtime.backend.InProcess instead of actors):
+(the real round loop, Server and ClientHost; raysim.engine.backend.InProcess instead of actors):
 
 * two rounds give identical metrics with 1 host, 2 hosts and one client per host, and with every
   client trained on another host than its own (its record moved there and back: work stealing);
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from raysim.config import load_config
-from raysim.experiment import federation
+from raysim.app.experiment import federation
 from raysim.methods import registry
-from raysim.runtime.backend import InProcess
-from raysim.runtime.balance import ElsewherePlan
-from raysim.runtime.loop import Callback
+from raysim.engine.backend import InProcess
+from raysim.engine.balance import ElsewherePlan
+from raysim.engine.loop import Callback
 
 TINY = {
     "rounds": 2, "seed": 11,

@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raysim.aggregation import AllUploads, KeepAll, Mean, WeightedMean, weighted_mean
+from raysim.core.aggregation import AllUploads, KeepAll, Mean, WeightedMean, weighted_mean
 from raysim.config import TrainConfig, load_config
-from raysim.contract import ClientContext, Method, Upload
-from raysim.errors import TrainingDiverged, UserError
-from raysim.experiment import federation
-from raysim.hparams import Hparams
+from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.errors import TrainingDiverged, UserError
+from raysim.app.experiment import federation
+from raysim.core.hparams import Hparams
 from raysim.methods import registry
-from raysim.runtime.backend import InProcess
-from raysim.runtime.loop import Callback
-from raysim.settings import setting
+from raysim.engine.backend import InProcess
+from raysim.engine.loop import Callback
+from raysim.core.settings import setting
 
 BASE = {
     "rounds": 3, "seed": 2,
@@ -151,7 +151,7 @@ class ClassMeans(Method):
 
 
 def test_uploaded_statistics_build_a_bank_every_client_receives(ray_session, tmp_path):
-    from raysim.runtime.federation import Federation
+    from raysim.engine.federation import Federation
     registry.register(ClassMeans.name, ClassMeans)
     fed, df = run(ClassMeans.name, tmp_path, rounds=2)
     # the bank by hand: every training image of both clients, grouped by label

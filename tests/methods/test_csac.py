@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from raysim.config import TrainConfig
-from raysim.errors import UserError
-from raysim.aggregation import AllUploads
-from raysim.contract import ClientContext, Upload
+from raysim.core.errors import UserError
+from raysim.core.aggregation import AllUploads
+from raysim.core.contract import ClientContext, Upload
 from raysim.methods.csac import (CSAC, CSACHparams, FeatureTaps, Projections, attention_scores, attention_weights,
                                  default_layers, fuse, fusion_weights, mk_mmd, mk_mmd_pairs, projection_conv)
 from raysim.models import build
@@ -462,7 +462,7 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
     """ClientHost (no Ray), clients' state spilled to disk after every step (state_memory_mb 0)."""
     import raysim.data
     from raysim.config import load_config
-    from raysim.runtime.host import ClientHost
+    from raysim.engine.host import ClientHost
 
     monkeypatch.setattr(raysim.data, "load", lambda *a, **k: tiny_domains())
     cfg = load_config(raw={

@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.aggregation import AllUploads, weighted_mean
-from raysim.contract import ClientContext, Setup, Upload
-from raysim.errors import UserError
+from raysim.core.aggregation import AllUploads, weighted_mean
+from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.errors import UserError
 from raysim.methods.dapperfl import (DapperFL, RepresentationTap, apply_masks, dar_term, footprint_table, fuse,
                                      fusion_factor, layer_roles, local_objective, num_pruned, prune_masks, recover)
-from raysim.profiles import assign_levels, level_counts
+from raysim.core.tiers import level_counts, level_tiers
 from raysim.models.base import Net
 
 
@@ -57,7 +58,7 @@ def kept(mask_1d):
 
 
 def setup(num_clients=10, seed=0, **kw):
-    return Setup(num_classes=3, image_shape=(3, 6, 6), num_clients=num_clients,
+    return Setup(model_builder=from_setup, num_classes=3, image_shape=(3, 6, 6), num_clients=num_clients,
                  client_domains=tuple(f"d{c // 2}" for c in range(num_clients)), model=ModelConfig(),
                  train=TrainConfig(), rounds=5, seed=seed, **kw)
 
@@ -310,11 +311,11 @@ def test_weighted_mean_by_hand():
 # ----------------------------------------------------------------------------- tiers
 
 def test_tiers_five_levels_two_clients_each():
-    assert assign_levels(10, 5, how="round_robin") == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]  # the code's k mod 5
-    seeded = assign_levels(10, 5, how="random", seed=0)
+    assert level_tiers(10, 5, how="round_robin").tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]  # the code's k mod 5
+    seeded = level_tiers(10, 5, how="random", seed=0).tolist()
     assert sorted(seeded) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
-    assert seeded == assign_levels(10, 5, how="random", seed=0)
-    assert any(assign_levels(10, 5, how="random", seed=s) != seeded for s in (1, 2, 3))
+    assert seeded == level_tiers(10, 5, how="random", seed=0).tolist()
+    assert any(level_tiers(10, 5, how="random", seed=s).tolist() != seeded for s in (1, 2, 3))
     assert level_counts(12, None, 5) == [3, 3, 2, 2, 2]  # 2.4 each, largest remainder to the first
     assert level_counts(10, (1, 0, 0, 0, 3), 5) == [3, 0, 0, 0, 7]  # 2.5 / 7.5: tie to the lower tier
     m = DapperFL(DapperFL.hparams_from({"tier_assignment": "modulo"}), setup())
@@ -498,7 +499,7 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
 
 def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     from raysim.methods.dapperfl import footprint_from_run
-    from raysim.metrics import MetricsLog
+    from raysim.engine.metrics import MetricsLog
     m = DapperFL(DapperFL.hparams_from({"tier_assignment": "modulo"}), setup(10))
     log = MetricsLog()
     metrics = {c: m.local_update(context(m, tiny_net(), cid=c, rnd=1, epochs=2)).metrics for c in (0, 4, 5)}
@@ -517,7 +518,7 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     with pytest.raises(UserError):
         footprint_from_run(str(tmp_path / "nothing"))
     # the same rows go into summary.md through the method's report hook
-    from raysim.report import _method_sections
+    from raysim.app.report import _method_sections
     md = _method_sections(str(tmp_path / "dapperfl"))
     c5 = f"| C5 | 0.8 | 4 (d2) | {0.2 * metrics[4]['params'] / 1e6:.3f}M | {metrics[4]['kept_params'] / 1e6:.3f}M |"
     assert "## DapperFL footprint per capability tier" in md and c5 in md

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from raysim.catalog import hparam_rows
+from raysim.app.catalog import hparam_rows
 from raysim.methods import registry
 
 PINNED = {

@@ -8,18 +8,19 @@ import pytest
 import torch
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.errors import UserError
-from raysim.aggregation import AllUploads
-from raysim.contract import ClientContext, Setup, Upload
-from raysim.hparams import Space
+from raysim.core.errors import UserError
+from raysim.core.aggregation import AllUploads
+from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.hparams import Space
 from raysim.methods.fdse import (FDSE, ConsistencyRegularizer, FDSEHparams, batch_stats, consensus_update,
                                  consistency_term, key_role, layer_weights, min_norm_simplex, similarity_mix)
 from raysim.methods.fdse.layers import DSEConv, DSELinear, decompose, dse_blocks
 from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net
 from raysim.models.dropout import dropout_generator
-from raysim.runtime.host import tensors_nbytes
+from raysim.engine.host import tensors_nbytes
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,7 +100,7 @@ def alexnet_fdse_params_by_hand(num_classes=10):
 
 def test_fdse_alexnet_table4_params_flops_and_state_size():
     # the paper's input size (A7.1: 224 x 224); parameter counts do not depend on it
-    setup = Setup(num_classes=10, image_shape=(3, 224, 224), num_clients=6, client_domains=("a",) * 6,
+    setup = Setup(model_builder=from_setup, num_classes=10, image_shape=(3, 224, 224), num_clients=6, client_domains=("a",) * 6,
                   model=ModelConfig(name="alexnet_fdse"), train=TrainConfig(), rounds=1, seed=0)
     fdse = FDSE(FDSE.Hparams(), setup).build_model()
     vanilla = build("alexnet_fdse", num_classes=10, in_channels=3, input_size=224, norm="bn")
@@ -443,7 +444,7 @@ def con_loss_on(model, x, hp):
 
 
 def test_unseen_client_model_is_the_mean_dse_and_alg3_adapts_only_the_dse():
-    from raysim.contract import ClientData, UnseenClient
+    from raysim.core.contract import ClientData, UnseenClient
     torch.manual_seed(0)
     model = fdse_tiny()
     init = {k: v.clone() for k, v in model.state_dict().items()}

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.errors import UserError
-from raysim.contract import ClientContext, ClientData, Setup
+from raysim.core.errors import UserError
+from raysim.core.contract import ClientContext, ClientData, Setup
 from raysim.methods.fedwon import (FedWon, WSConv2d, adaptive_clip_, agc_parameters, unitwise_norm,
                                    ws_conv_factory)
 from raysim.models import is_norm
@@ -17,7 +18,7 @@ from raysim.models.dropout import dropout_generator
 
 
 def setup_for(name="small_cnn", norm="bn", size=32, **options):
-    return Setup(num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+    return Setup(model_builder=from_setup, num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
                  model=ModelConfig(name=name, norm=norm, options=options), train=TrainConfig(),
                  rounds=10, seed=0)
 

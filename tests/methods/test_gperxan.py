@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.errors import UserError
-from raysim.aggregation import Mean
-from raysim.contract import ClientContext, ClientData, Setup
+from raysim.core.errors import UserError
+from raysim.core.aggregation import Mean
+from raysim.core.contract import ClientContext, ClientData, Setup
 from raysim.methods.gperxan import GFedAvg, GPerXAN
 from raysim.methods.gperxan_layers import IBN, XAN, bn_side_keys, place, select
 from raysim.models.base import Net
@@ -21,7 +22,7 @@ EPS = 1e-5
 
 
 def setup_for(name="small_cnn", size=32, rounds=10, pretrained=None, norm="bn"):
-    return Setup(num_classes=2, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+    return Setup(model_builder=from_setup, num_classes=2, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
                  model=ModelConfig(name=name, norm=norm, pretrained=pretrained), train=TrainConfig(),
                  rounds=rounds, seed=0)
 
@@ -139,7 +140,7 @@ def test_ibn_is_in_on_the_first_half_and_bn_on_the_rest():
 # ----------------------------------------------------------------------------- placement
 
 def test_placement_rule_per_backbone():
-    s = Setup(num_classes=7, image_shape=(3, 32, 32), num_clients=3, client_domains=("a", "b", "c"),
+    s = Setup(model_builder=from_setup, num_classes=7, image_shape=(3, 32, 32), num_clients=3, client_domains=("a", "b", "c"),
               model=ModelConfig(name="resnet18_tv"), train=TrainConfig(), rounds=1, seed=0)
     plain = GFedAvg(GFedAvg.Hparams(), s).build_model()
     # PACS rule: every BN of the trunk (stem 1 + 4 stages x 2 blocks x 2 + 3 downsample = 20)

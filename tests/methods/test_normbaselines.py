@@ -3,15 +3,16 @@ import pytest
 import torch
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.errors import UserError
-from raysim.contract import ClientContext, ClientData, Setup
-from raysim.tensors import load_tensors
+from raysim.core.errors import UserError
+from raysim.core.contract import ClientContext, ClientData, Setup
+from raysim.core.tensors import load_tensors
 from raysim.methods.normbaselines import FedAvgGN, FedAvgLN, FixBN, SiloBN, bn_stat_keys, frozen_bn
 
 
 def setup_for(name="cnn6", norm="bn", size=28, rounds=10, **options):
-    return Setup(num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+    return Setup(model_builder=from_setup, num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
                  model=ModelConfig(name=name, norm=norm, options=options), train=TrainConfig(),
                  rounds=rounds, seed=0)
 

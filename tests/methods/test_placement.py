@@ -1,12 +1,12 @@
 """Every registered method on an accelerator, on a machine without one: its model on the simulated
 accelerator of ``accelerator.py`` (``torch.device("meta")`` with real values, a GPU's placement
 rules), the server's and the clients' tensors where the engine keeps them: the placement rule
-written once in ``raysim/contract.py``'s module docstring.
+written once in ``raysim/core/contract.py``'s module docstring.
 
 Between rounds the engine keeps the server's state and every client's state (and the model a
 client leaves training, for ``eval.point: post_train``) on the CPU (``runtime.device_state_mb`` at
 its default 0); during a round the payload is on the host's device, moved there once per round as
-the host does (``raysim.tensors.to_device``). So ``init_server``, ``broadcast``,
+the host does (``raysim.core.tensors.to_device``). So ``init_server``, ``broadcast``,
 ``init_client_state`` and two rounds of ``local_update`` (the second one from the state the first
 left) must neither mix a CPU tensor into the device's arithmetic (a GPU host would crash) nor leave
 a device tensor in what is kept. A method added later is covered by being registered."""
@@ -17,11 +17,11 @@ import torch
 
 from accelerator import devices, on_accelerator, simulated_accelerator
 from raysim.config import load_config
-from raysim.contract import ClientContext
+from raysim.core.contract import ClientContext
 from raysim.methods import registry
-from raysim.runtime.federation import Federation
-from raysim.runtime.seeding import generator_for
-from raysim.tensors import to_device
+from raysim.engine.federation import Federation
+from raysim.core.seeding import generator_for
+from raysim.core.tensors import to_device
 
 TINY = {
     "seed": 3,

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.aggregation import AllUploads
+from raysim.models import from_setup
+from raysim.core.aggregation import AllUploads
 from raysim.config import ModelConfig, TrainConfig
-from raysim.contract import ClientContext, Setup, Upload
-from raysim.errors import UserError
+from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.errors import UserError
 from raysim.methods.feddrop import FedDrop, dropout_plan
 from raysim.methods.fedmp import FedMP, filter_scores, l1_plan, r2sp
 from raysim.methods.nefl import NeFL, add_steps, group_mean, inconsistent_keys, nefedavg, nested_plan
@@ -45,7 +46,7 @@ def tiny_net2():
 
 
 def setup(num_clients=2, model="small_cnn", shape=(1, 3, 3)):
-    return Setup(num_classes=2, image_shape=shape, num_clients=num_clients,
+    return Setup(model_builder=from_setup, num_classes=2, image_shape=shape, num_clients=num_clients,
                  client_domains=tuple("d" for _ in range(num_clients)), model=ModelConfig(name=model),
                  train=TrainConfig(), rounds=2, seed=0)
 
@@ -393,7 +394,7 @@ def test_footprint_by_hand():
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet10"])
 def test_footprints_shrink_with_the_ratio(name):
-    s = Setup(num_classes=10, image_shape=(3, 16, 16), num_clients=5, client_domains=("d",) * 5,
+    s = Setup(model_builder=from_setup, num_classes=10, image_shape=(3, 16, 16), num_clients=5, client_domains=("d",) * 5,
               model=ModelConfig(name=name), train=TrainConfig(), rounds=1, seed=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -426,11 +427,11 @@ def test_hparams_checked_and_defaults():
 
 
 def test_profile_tier_beyond_the_levels_is_refused():
-    s = Setup(num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
+    s = Setup(model_builder=from_setup, num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
               train=TrainConfig(), rounds=1, seed=0, client_profiles=({"tier": 7, "level": "L8"},))
     with pytest.raises(UserError, match="tier 7"):
         FedMP(FedMP.Hparams(), s).client_rho(0)
-    s2 = Setup(num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
+    s2 = Setup(model_builder=from_setup, num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
                train=TrainConfig(), rounds=1, seed=0, client_profiles=({"tier": 3, "level": "C4"},))
     assert FedMP(FedMP.Hparams(), s2).client_rho(0) == 0.6
 
@@ -453,15 +454,15 @@ def test_client_step_equals_training_the_extracted_sub_network():
     small.load_state_dict(extract(start, slices(m.ref.dims, plan)))
     ctx = context(m, small)
     ctx.generator = gen
-    from raysim.training import train_epochs
+    from raysim.core.training import train_epochs
     train_epochs(ctx)
     for k, v in small.state_dict().items():
         assert torch.allclose(up.tensors[k].to(v.dtype), v, atol=1e-5), k
 
 
 def test_fedmp_at_ratio_zero_is_fedavg():
-    from raysim.contract import Method
-    from raysim.training import train_epochs
+    from raysim.core.contract import Method
+    from raysim.core.training import train_epochs
     m = method(FedMP, tiny_net2, rho_levels=[0.0])
     net = m.build_model()
     start = {k: v.clone() for k, v in net.state_dict().items()}

@@ -11,9 +11,10 @@ import torch
 import torchvision
 from torch import nn
 
+from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
-from raysim.errors import UserError
-from raysim.contract import Setup
+from raysim.core.errors import UserError
+from raysim.core.contract import Setup
 from raysim.methods.fedbn import FedBN
 from raysim.methods.fedwon import FedWon, WSConv2d
 from raysim.methods.gperxan import GPerXAN
@@ -45,7 +46,7 @@ def tv_file(tmp_path_factory):
 
 
 def setup_for(size=32, pretrained=None, norm="bn"):
-    return Setup(num_classes=2, image_shape=(3, size, size), num_clients=4, client_domains=("a", "b", "c", "d"),
+    return Setup(model_builder=from_setup, num_classes=2, image_shape=(3, size, size), num_clients=4, client_domains=("a", "b", "c", "d"),
                  model=ModelConfig(name="densenet121_tv", norm=norm, pretrained=pretrained),
                  train=TrainConfig(), rounds=1, seed=0)
 

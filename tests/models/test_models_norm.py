@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models import available, build, gn_groups, is_norm, make_norm
 from raysim.models.dropout import dropout_generator
 

@@ -4,7 +4,7 @@ import torch
 import torchvision
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models import build, load_pretrained
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.models import available, build, count_flops, count_params, is_norm, options
 
 # name -> (paper count, where it comes from). "[computed]" counts come from the spec's

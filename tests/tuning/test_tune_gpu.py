@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     PROBE = sys.argv[2]
 
     def probe():
-        import raysim.runtime.host as host
+        import raysim.engine.host as host
         original = host.ClientHost.start
 
         def start(self):

@@ -8,7 +8,7 @@ from raysim.config import load_config
 from raysim.tuning import outputs
 from raysim.tuning.search import error_line, stop_reason, trial_number
 from raysim.tuning.spec import load_spec
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 
 TINY = {"rounds": 4, "model": {"name": "small_cnn"},
         "data": {"dataset": "digits5", "partition": {"kind": "per_domain", "train_size": 64}},
@@ -119,7 +119,7 @@ def test_error_line_unwraps_ray_errors():
     advice to resume is the round loop's, not the trial's."""
     from ray.exceptions import RayTaskError
 
-    from raysim.errors import RunFailed
+    from raysim.core.errors import RunFailed
 
     try:
         raise KeyError("boom")

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from raysim.config import load_config
-from raysim.metrics import read
+from raysim.engine.metrics import read
 from raysim.tuning.search import run_search
 from raysim.tuning.spec import load_spec
 
@@ -90,7 +90,7 @@ def test_trials_run_inside_their_placement_group(search):
 
 
 def test_best_yaml_reruns_to_the_same_metric(search, tmp_path):
-    from raysim.experiment import run
+    from raysim.app.experiment import run
 
     spec, out, result, lines = search
     df = pd.read_parquet(out / "trials.parquet").set_index("trial")
@@ -124,7 +124,7 @@ def test_every_trial_gives_its_resources_back(search, ray_session):
 
 
 def test_a_data_error_is_one_user_error_before_any_trial(ray_session, tmp_path, tiny_experiment):
-    from raysim.errors import UserError
+    from raysim.core.errors import UserError
 
     exp = tiny_experiment()
     exp["data"]["root"] = str(tmp_path)  # the generated benchmark takes no root

@@ -4,9 +4,9 @@ import math
 import optuna
 import pytest
 
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.methods import registry
-from raysim.hparams import Space
+from raysim.core.hparams import Space
 from raysim.tuning import space as sp
 
 

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from raysim.config import load_config
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.methods import registry
 from raysim.tuning.spec import load_spec, route_overrides
 from raysim.tuning.trial import trial_bundles

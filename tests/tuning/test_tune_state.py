@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from raysim.cli import main as cli_main
-from raysim.errors import UserError
+from raysim.core.errors import UserError
 from raysim.tuning.search import backup_state, prepare_dir, repair_state
 from raysim.tuning.spec import load_spec
 

@@ -1,0 +1,305 @@
+"""``raysim compare RUN_DIR...``: one table across any set of run directories.
+
+A run directory is what ``raysim run`` writes (see :mod:`raysim.app.report`): one federation
+(``metrics.parquet``), or ``[<method>/][seed-<s>/][holdout-<domain>/]metrics.parquet``. Every
+federation is reduced by :func:`raysim.app.report.summarize` at the round its own config's
+``eval.select`` picks, exactly as ``summary.md`` does; cells are test accuracy (%), mean ± std
+(ddof 1) when seeds repeat. Rows are methods (``--by method``; a method found in several run
+directories is labelled with its run, ``fdse (abl_local)``), or (method, seed) with ``--by seed``.
+Leave-one-domain-out runs get one column per held-out domain (accuracy on it, ``ALL``) and their
+mean, Avg; ``--by holdout`` shows only such runs. Where a run's config has a ``paper:`` section
+(``{source, dataset, metrics: {AVG: {method: [mean, std]}, ...}}``) the published AVG (and ALL)
+stand beside ours with the difference, Δ = ours − paper, in points.
+
+``--out DIR`` writes compare.md, compare.csv and compare.png (test AVG against rounds, one line per
+row, a ± std band over seeds); the Markdown is printed either way.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from raysim.core.errors import UserError
+from raysim.app.report import (AGGREGATES, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
+                           markdown_table, method_dirs, save_figure, seed_dirs, summarize)
+
+
+@dataclass
+class Entry:
+    """One method of one run directory: its federations' summaries and metrics, per seed."""
+    run_dir: str
+    method: str
+    lodo: bool
+    summaries: dict = field(default_factory=dict)  # seed -> Summary, or seed -> {held-out domain: Summary}
+    frames: dict = field(default_factory=dict)  # seed -> DataFrame, or seed -> {held-out domain: DataFrame}
+    paper: dict = field(default_factory=dict)
+    label: str = ""
+
+
+def _paper(run_dir: str, method_dir: str) -> dict:
+    """The ``paper:`` section of the run's config.yaml, else of the method's first federation."""
+    for d in (run_dir, method_dir, *seed_dirs(method_dir).values()):
+        paper = _config(d).get("paper")
+        if isinstance(paper, dict) and paper.get("metrics"):
+            return paper
+    return {}
+
+
+def load(run_dir: str) -> list[Entry]:
+    """Every method of a run directory, summarized at each federation's selected round."""
+    if not os.path.isdir(run_dir):
+        raise UserError(f"not a run directory: {run_dir} (no such folder)")
+    dirs = method_dirs(run_dir)
+    if not dirs:
+        raise UserError(f"not a run directory: no metrics.parquet in {run_dir} or its "
+                        f"<method>/[seed-<s>/][holdout-<domain>/] folders")
+    entries = []
+    for name, d in dirs.items():
+        seeds = seed_dirs(d)
+        lodo = any(_holdout_dirs(sd) for sd in seeds.values())
+        e = Entry(run_dir, name, lodo, paper=_paper(run_dir, d))
+        for seed, sd in seeds.items():
+            holdouts = _holdout_dirs(sd)
+            if lodo:
+                e.frames[seed] = {dom: _read(hd) for dom, hd in holdouts.items()}
+                e.summaries[seed] = {dom: summarize(df, name, _select_rule(hd))
+                                     for (dom, hd), df in zip(holdouts.items(), e.frames[seed].values())}
+            else:
+                if not os.path.isfile(os.path.join(sd, "metrics.parquet")):
+                    raise UserError(f"no metrics.parquet in {sd}")
+                e.frames[seed] = _read(sd)
+                e.summaries[seed] = summarize(e.frames[seed], name, _select_rule(sd))
+        entries.append(e)
+    return entries
+
+
+def label_entries(entries: list[Entry]) -> None:
+    """``fdse``, or ``fdse (abl_local)`` when several run directories hold fdse."""
+    runs = list(dict.fromkeys(e.run_dir for e in entries))
+    bases = [os.path.basename(os.path.normpath(r)) for r in runs]
+    short = {r: (b if bases.count(b) == 1 else os.path.normpath(r)) for r, b in zip(runs, bases)}
+    count = {}
+    for e in entries:
+        count[e.method] = count.get(e.method, 0) + 1
+    for e in entries:
+        e.label = e.method if count[e.method] == 1 else f"{e.method} ({short[e.run_dir]})"
+
+
+# ----------------------------------------------------------------------------- values
+
+def _values(e: Entry, seed) -> dict[str, float | None]:
+    """{column: accuracy (fraction)} of one seed of an entry at its selected round(s)."""
+    s = e.summaries[seed]
+    if not e.lodo:
+        return {k: v for k, v in s.selected.items() if k in s.domains or k in ("AVG", "ALL")}
+    out = {dom: summ.selected.get("ALL") for dom, summ in s.items()}
+    known = [v for v in out.values() if v is not None]
+    out["Avg"] = sum(known) / len(known) if known and len(known) == len(out) else None
+    return out
+
+
+def _rounds(e: Entry, seeds: list) -> tuple[str, str]:
+    """(the selection rule(s), the selected rounds) of the given seeds."""
+    summ: list[Summary] = []
+    for seed in seeds:
+        s = e.summaries[seed]
+        summ += list(s.values()) if e.lodo else [s]
+    rules = "; ".join(dict.fromkeys(x.rule for x in summ))
+    return rules, ", ".join(str(x.selected_round) for x in summ)
+
+
+@dataclass
+class Row:
+    label: str
+    entry: Entry
+    seeds: list
+    values: dict[str, list]  # column -> one fraction (or None) per seed
+
+
+def _rows(entries: list[Entry], by: str) -> list[Row]:
+    rows = []
+    for e in entries:
+        per_seed = {seed: _values(e, seed) for seed in e.summaries}
+        cols = list(dict.fromkeys(c for v in per_seed.values() for c in v))
+        if by == "seed":
+            for seed, v in per_seed.items():
+                label = e.label if seed is None else f"{e.label} seed {seed}"
+                rows.append(Row(label, e, [seed], {c: [v.get(c)] for c in cols}))
+        else:
+            rows.append(Row(e.label, e, list(per_seed), {c: [v.get(c) for v in per_seed.values()] for c in cols}))
+    return rows
+
+
+def _mean_std(values: list) -> tuple[float | None, float | None]:
+    vals = [100 * v for v in values if v is not None and not math.isnan(v)]
+    if not vals or len(vals) < len(values):
+        return None, None
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
+
+
+def _paper_figure(e: Entry, metric: str) -> tuple[float | None, float | None]:
+    """(mean, std) the paper reports for this entry's method, in %; ``Avg`` reads ``AVG`` too."""
+    metrics = e.paper.get("metrics") or {}
+    per = metrics.get(metric) or (metrics.get("AVG") or metrics.get("Avg") if metric in ("AVG", "Avg") else None)
+    fig = (per or {}).get(e.method)
+    if fig is None:
+        return None, None
+    fig = list(fig) if isinstance(fig, (list, tuple)) else [fig]
+    try:
+        mean = float(fig[0])
+    except (TypeError, ValueError, IndexError):
+        return None, None
+    std = fig[1] if len(fig) > 1 and isinstance(fig[1], (int, float)) else None
+    return mean, (float(std) if std is not None else None)
+
+
+def _fmt(mean, std) -> str:
+    if mean is None:
+        return "–"
+    return f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _table(rows: list[Row], lodo: bool) -> tuple[str, pd.DataFrame, list[str]]:
+    """(Markdown table, CSV frame, notes) of rows of one kind (standard or leave-one-domain-out)."""
+    cols = list(dict.fromkeys(c for r in rows for c in r.values if c not in AGGREGATES and c != "Avg"))
+    cols += ["Avg"] if lodo else ["AVG", "ALL"]
+    avg = "Avg" if lodo else "AVG"
+    paper_metrics = [m for m in (avg, "ALL") if m in cols
+                     and any(_paper_figure(r.entry, m)[0] is not None for r in rows)]
+    header = ["method"] + cols
+    for m in paper_metrics:
+        header += [f"paper {m}", f"Δ {m}"]
+    header += ["seeds", "selected round"]
+    md_rows, csv_rows = [], []
+    for r in rows:
+        cells = [r.label] + [_pct(r.values.get(c, [None] * len(r.seeds))) for c in cols]
+        rec = {"row": r.label, "method": r.entry.method, "run": r.entry.run_dir,
+               "seeds": ";".join("" if s is None else str(s) for s in r.seeds), "n_seeds": len(r.seeds)}
+        for c in cols:
+            rec[c], rec[f"{c} std"] = _mean_std(r.values.get(c, [None] * len(r.seeds)))
+        for m in paper_metrics:
+            pm, ps = _paper_figure(r.entry, m)
+            ours = rec[m]
+            delta = ours - pm if ours is not None and pm is not None else None
+            cells += [_fmt(pm, ps), "–" if delta is None else f"{delta:+.2f}"]
+            rec[f"paper {m}"], rec[f"paper {m} std"], rec[f"Δ {m}"] = pm, ps, delta
+        # per-domain figures of the paper, in the CSV only
+        for c in cols:
+            if c not in paper_metrics:
+                pm, ps = _paper_figure(r.entry, c)
+                if pm is not None:
+                    rec[f"paper {c}"], rec[f"paper {c} std"] = pm, ps
+        rule, rounds = _rounds(r.entry, r.seeds)
+        cells += [", ".join("–" if s is None else str(s) for s in r.seeds), f"{rule}: {rounds}"]
+        rec["select"], rec["selected rounds"] = rule, rounds
+        md_rows.append(cells)
+        csv_rows.append(rec)
+    notes = []
+    for e in dict.fromkeys(r.entry.run_dir for r in rows):
+        paper = next((r.entry.paper for r in rows if r.entry.run_dir == e and r.entry.paper), None)
+        if paper and paper_metrics:
+            what = paper.get("source") or "the paper"
+            notes.append(f"paper figures for {os.path.basename(os.path.normpath(e))}: {what}"
+                         + (f" ({paper['dataset']})" if paper.get("dataset") else ""))
+    return markdown_table(header, md_rows), pd.DataFrame(csv_rows), notes
+
+
+def compare_markdown(entries: list[Entry], by: str = "method") -> tuple[str, pd.DataFrame, list[Row]]:
+    if by == "holdout":
+        entries = [e for e in entries if e.lodo]
+        if not entries:
+            raise UserError("--by holdout needs leave-one-domain-out runs (holdout-<domain>/ folders); "
+                            "none of the given run directories has one")
+    rows = _rows(entries, by)
+    rules = list(dict.fromkeys(x.rule for e in entries for s in e.summaries.values()
+                               for x in (s.values() if e.lodo else [s])))
+    multi = any(len(r.seeds) > 1 for r in rows)
+    out = ["# Comparison", "",
+           "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), "",
+           f"Test accuracy (%) at each federation's selected round ({'; '.join(SELECT_LABELS[r] for r in rules)})"
+           + ("; mean ± std over seeds (ddof 1)" if multi else "") + "."]
+    frames = []
+    for lodo in (False, True):
+        part = [r for r in rows if r.entry.lodo == lodo]
+        if not part:
+            continue
+        table, frame, notes = _table(part, lodo)
+        explain = ("Leave-one-domain-out: accuracy on each held-out domain; Avg = their mean."
+                   if lodo else "AVG = mean over domains, ALL = all clients' pooled test samples.")
+        if any(_paper_figure(r.entry, "AVG")[0] is not None or _paper_figure(r.entry, "Avg")[0] is not None
+               for r in part):
+            explain += " Δ = ours − paper (points)."
+        out += ["", explain, "", table]
+        out += [""] + [f"- {n}" for n in notes] if notes else []
+        frames.append(frame.assign(kind="lodo" if lodo else "standard"))
+    return "\n".join(out) + "\n", pd.concat(frames, ignore_index=True), rows
+
+
+# ----------------------------------------------------------------------------- curves
+
+def _avg_curve(e: Entry, seed) -> pd.Series | None:
+    """Test AVG per round of one federation (lodo: the mean over held-out domains of ALL)."""
+    def series(df: pd.DataFrame, domain: str) -> pd.Series:
+        rows = df[(df.client == -1) & (df.metric == "accuracy") & (df.split == "test") & (df.domain == domain)]
+        return rows.groupby("round")["value"].mean()
+
+    frames = e.frames[seed]
+    if not e.lodo:
+        s = series(frames, "AVG")
+        return s if len(s) else None
+    parts = [series(df, "ALL") for df in frames.values()]
+    if not parts or any(not len(p) for p in parts):
+        return None
+    return pd.concat(parts, axis=1, join="inner").mean(axis=1)
+
+
+def plot_compare(rows: list[Row], path: str) -> None:
+    """Test AVG against rounds, one line per row; the mean with a ± std band over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, r in enumerate(rows):
+        curves = [c for c in (_avg_curve(r.entry, s) for s in r.seeds) if c is not None]
+        if not curves:
+            continue
+        table = pd.concat(curves, axis=1, join="inner")
+        mean = 100 * table.mean(axis=1)
+        color = f"C{i % 10}"
+        ax.plot(mean.index, mean.values, label=r.label + (f" ({len(curves)} seeds)" if len(curves) > 1 else ""),
+                color=color, marker="o" if len(mean) <= 3 else None, linewidth=1.8)
+        if len(curves) > 1:
+            std = 100 * table.std(axis=1, ddof=1).fillna(0.0)
+            ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color=color, alpha=0.15)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test AVG (%)" + (" / held-out Avg" if any(r.entry.lodo for r in rows) else ""))
+    save_figure(fig, ax, path)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def compare(run_dirs: list[str], by: str = "method", out: str | None = None) -> str:
+    """The Markdown table; with ``out``, also compare.md, compare.csv and compare.png there."""
+    if by not in ("method", "seed", "holdout"):
+        raise UserError(f"--by {by!r}: expected method, seed or holdout")
+    entries = [e for d in dict.fromkeys(os.path.normpath(d) for d in run_dirs) for e in load(d)]
+    label_entries(entries)
+    text, frame, rows = compare_markdown(entries, by)
+    if out:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create --out folder {out}: {err.strerror or err}") from None
+        with open(os.path.join(out, "compare.md"), "w", encoding="utf-8") as fh:
+            fh.write(text)
+        frame.to_csv(os.path.join(out, "compare.csv"), index=False)
+        plot_compare(rows, os.path.join(out, "compare.png"))
+        text += f"\nwritten: {os.path.join(out, 'compare.md')}, compare.csv, compare.png\n"
+    return text

@@ -1,0 +1,284 @@
+"""The run folder's guards: one writer at a time, the same command resumes its own run, and a
+failed write said in one line.
+
+* :class:`RunLock`: ``RUN_DIR/raysim.lock`` holds the writer's pid, host and start time. A second
+  ``raysim run`` on a held folder is refused; a lock whose holder is gone (same host and its pid
+  dead or reused, the same Slurm job requeued, or another host's lock not refreshed for
+  ``LOCK_STALE_S``) is taken over with a warning.
+* :func:`holds_run_of`: whether ``RUN_DIR`` already holds a run of this config (then rerunning
+  the same command resumes it); a different config there is refused, naming what differs.
+* :class:`WriteFailed` and :func:`writing`: an ``OSError`` at a write (no space, no permission, a
+  read-only file system) as one line naming the file and the original error; :func:`intact`
+  says what the folder still holds.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+from raysim.core.errors import UserError
+from raysim.core.files import WriteFailed
+from raysim.engine.datashards import dataset_domains
+
+LOCK = "raysim.lock"
+LOCK_REFRESH_S = 30.0  # the holder touches its lock this often ...
+LOCK_STALE_S = 120.0  # ... and another host takes over a lock untouched this long
+
+
+# ----------------------------------------------------------------------------- one writer
+
+class RunLock:
+    """``with RunLock(run_dir):`` the command's writer lock (see the module's docstring)."""
+
+    def __init__(self, run_dir: str, warn=None):
+        self.run_dir, self.path = run_dir, os.path.join(run_dir, LOCK)
+        self.warn = warn or _warn
+        self.me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_start(os.getpid()),
+                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500],
+                   "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                   "slurm_restart": _int(os.environ.get("SLURM_RESTART_COUNT"))}
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self) -> "RunLock":
+        os.makedirs(self.run_dir, exist_ok=True)
+        for _ in range(3):  # a takeover races another taker at most once or twice
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = _read_json(self.path)
+                gone = self._holder_gone(holder)
+                if gone is None:
+                    raise UserError(self._held_message(holder)) from None
+                self.warn(f"raysim: warning: taking over {self.path} ({gone})")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+                continue
+            except OSError as err:
+                raise WriteFailed(self.path, err) from None
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(self.me, fh)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+                raise WriteFailed(self.path, err) from None
+            self._thread = threading.Thread(target=self._refresh, name="raysim-lock", daemon=True)
+            self._thread.start()
+            return self
+        raise UserError(self._held_message(_read_json(self.path)))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = _read_json(self.path)
+        if holder and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+
+    def _refresh(self) -> None:
+        """Keep the lock's mtime fresh: the sign of life a host that cannot see this pid reads."""
+        while not self._stop.wait(LOCK_REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def _holder_gone(self, holder: dict | None) -> str | None:
+        """Why the holder is gone (the lock may be taken over), or None while it may be alive."""
+        age = _age(self.path)
+        if not holder:  # created but not yet written, or damaged: give a starting writer a moment
+            return f"an unreadable lock file, {age:.0f} s old" if age > 10 else None
+        pid, host = holder.get("pid"), holder.get("host")
+        if host == self.me["host"]:
+            if pid == self.me["pid"]:
+                return None
+            if not _pid_alive(pid):
+                return f"left by pid {pid} on {host}, which is gone"
+            started = holder.get("started")
+            if started is not None and _process_start(pid) not in (None, started):
+                return f"left by pid {pid} on {host}; that pid now belongs to another process"
+            return None
+        job = holder.get("slurm_job")
+        if job and job == self.me["slurm_job"] and (holder.get("slurm_restart") or 0) < (self.me["slurm_restart"] or 0):
+            return f"left by Slurm job {job} before it was requeued (restart {self.me['slurm_restart']})"
+        if age > LOCK_STALE_S:
+            return f"left by pid {pid} on {host}, not refreshed for {age:.0f} s"
+        return None
+
+    def _held_message(self, holder: dict | None) -> str:
+        who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
+               if holder else "a raysim that is starting")
+        tail = ""
+        if holder and holder.get("host") != self.me["host"]:
+            tail = (f"; a lock another host stops refreshing is taken over after {LOCK_STALE_S:.0f} s, or "
+                    f"delete {self.path} if that run is gone")
+        return (f"{self.run_dir} is being written by another raysim ({who}): one run per folder at a time; "
+                f"wait for it or choose another --out{tail}")
+
+
+def _pid_alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:  # a zombie is as good as gone
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _age(path: str) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _int(text) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- same command resumes
+
+_PROGRESS = ("metrics.parquet", "status.json", "checkpoints")
+
+
+def has_progress(run_dir: str) -> bool:
+    """Whether any federation below ``run_dir`` got somewhere: metrics, a status or checkpoints."""
+    for root, dirs, names in os.walk(run_dir):
+        if any(n in names or n in dirs for n in _PROGRESS):
+            return True
+        dirs[:] = [d for d in dirs if d != "tb"]
+    return False
+
+
+def holds_run_of(cfg, run_dir: str) -> bool:
+    """True when ``run_dir`` holds a run of ``cfg`` that got somewhere (the command resumes it);
+    False when it holds none. A run of another config (anything but ``runtime`` differs) is a
+    UserError naming the first differences."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path) or not has_progress(run_dir):
+        return False
+    from raysim.app.configs import load_checked
+    try:
+        there = load_checked(path)
+    except UserError as err:
+        raise UserError(f"--out {run_dir} holds a run whose config.yaml does not load ({err}); "
+                        "choose another --out") from None
+    diff = config_differences(_as_run(there), _as_run(cfg))
+    if diff:
+        shown = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in diff[:3])
+        more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+        raise UserError(f"--out {run_dir} holds a run of another config ({shown}{more}); choose another --out, "
+                        f"or continue that run with: raysim run --resume {run_dir}")
+    return True
+
+
+def _as_run(cfg) -> dict:
+    """A config as its run folder records it: a one-method run's folder is that federation's, whose
+    config.yaml is the method's own (``for_method``: ``method: x`` for ``methods: [x]``)."""
+    names = cfg.method_names()
+    return (cfg.for_method(names[0]) if len(names) == 1 else cfg).to_dict()
+
+
+def config_differences(there: dict, here: dict, skip=("runtime",)) -> list[tuple[str, object, object]]:
+    """(dotted key, value there, value here) wherever two config dicts differ, ``skip`` aside."""
+    out = []
+
+    def walk(a, b, prefix):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in list(a) + [k for k in b if k not in a]:
+                key = f"{prefix}.{k}" if prefix else str(k)
+                if not prefix and k in skip:
+                    continue
+                walk(a.get(k), b.get(k), key)
+        elif _norm(a) != _norm(b):
+            out.append((prefix, a, b))
+
+    walk(there, here, "")
+    return out
+
+
+def _norm(v):
+    return [_norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+# ----------------------------------------------------------------------------- the federations of a config
+
+def lodo_holdouts(cfg) -> list[str]:
+    """The domains a leave-one-domain-out run holds out in turn (``eval.holdout``)."""
+    domains = dataset_domains(cfg)  # from the shards' index under data.shards: no data load
+    if cfg.eval.holdout == "all":
+        return domains
+    if cfg.eval.holdout not in domains:
+        raise UserError(f"eval.holdout = {cfg.eval.holdout!r} is not a domain of {cfg.data.dataset}; "
+                        f"expected 'all' or one of: {', '.join(domains)}")
+    return [cfg.eval.holdout]
+
+
+
+def with_holdout(cfg, holdout: str):
+    """A copy of ``cfg`` whose federation holds ``holdout``'s clients out of training (the one
+    place a partition's ``holdout`` is set)."""
+    one = copy.deepcopy(cfg)
+    one.data.partition = {**one.data.partition, "holdout": holdout}
+    return one
+
+
+def plan(cfg, run_dir: str) -> list[tuple[object, str]]:
+    """(config, folder) of every federation of ``cfg``: method x seed x held-out domain.
+
+    One method: the run folder is the federation's; several: ``<method>/``; with ``seeds``:
+    ``seed-<s>/`` below; leave-one-domain-out: ``holdout-<domain>/`` below that."""
+    names, seeds = cfg.method_names(), cfg.seed_list()
+    holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
+    out = []
+    for name in names:
+        for seed in seeds:
+            for holdout in holdouts:
+                sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
+                one = cfg.for_method(name)
+                if cfg.seeds:
+                    one = one.for_seed(seed)
+                    sub = os.path.join(sub, f"seed-{seed}")
+                if holdout is not None:
+                    one = with_holdout(one, holdout)
+                    sub = os.path.join(sub, f"holdout-{holdout}")
+                out.append((one, sub))
+    return out
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,158 @@
+"""Where a federation's server and hosts live: Ray actors (the default), or plain objects in the
+driver's process (``InProcess``: the same round loop without Ray, for tests and debugging).
+
+The round loop (:mod:`raysim.engine.loop`) talks to both the same way: ``handle.method.remote(...)``
+returns a reference, and ``backend.get(refs)`` waits for it.
+
+Both turn torch's "no deterministic kernel" error of a host (``runtime.deterministic``) into a
+one-line user error naming the operation and the model (:mod:`raysim.engine.determinism`).
+"""
+from __future__ import annotations
+
+
+class RayActors:
+    """A Server actor and a pool of ClientHost actors in one placement group."""
+
+    model = "?"  # the federation's model (cfg.model.name), for the determinism error; set by launch_pool
+
+    def server(self, cfg):
+        import ray
+        from raysim.engine.cluster import server_placement
+        from raysim.engine.server import Server
+        return ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
+                                          scheduling_strategy=server_placement()).remote(cfg)
+
+    def launch_pool(self, cfg, num_hosts: int):
+        from raysim.engine.cluster import launch_pool
+        self.model = cfg.model.name
+        return launch_pool(cfg, num_hosts)
+
+    def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
+        from raysim.engine.cluster import await_pool
+        return await_pool(hosts, starts, num_clients, run_dir=run_dir)
+
+    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
+        from raysim.engine.cluster import create_pool
+        self.model = cfg.model.name
+        return create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
+
+    def stop_pool(self, hosts, pg, unawaited=()) -> None:
+        from raysim.engine.cluster import stop_pool
+        stop_pool(hosts, pg, unawaited)
+
+    def kill(self, actor) -> None:
+        import ray
+        ray.kill(actor)
+
+    def get(self, refs):
+        import ray
+
+        from raysim.engine.cluster import ray_get
+        from raysim.engine.determinism import nondeterministic_error
+        try:
+            return ray_get(refs)
+        except ray.exceptions.RayTaskError as err:
+            user = nondeterministic_error(getattr(err, "cause", None), self.model)
+            if user is None:
+                raise
+            raise user from None
+
+    def wait(self, refs: list) -> tuple[list, list]:
+        """(the refs done, the others) as soon as at least one is done."""
+        import ray
+        return ray.wait(refs, num_returns=1)
+
+    def alive(self, actor) -> bool:
+        from raysim.engine.cluster import alive
+        return alive(actor)
+
+    def lost(self) -> tuple:
+        """The exceptions that mean an actor (or an object it held) is gone."""
+        import ray
+        return ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError
+
+
+class _Done:
+    """The result of a call that already ran (InProcess's stand-in for an ObjectRef)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _value(x):
+    """A call's argument as the callee sees it: a reference's value (also inside a list, where
+    a Ray callee would fetch it itself)."""
+    if isinstance(x, list) and any(isinstance(e, _Done) for e in x):
+        return [_value(e) for e in x]
+    return x.value if isinstance(x, _Done) else x
+
+
+class _Method:
+    def __init__(self, fn, model: str):
+        self._fn, self._model = fn, model
+
+    def remote(self, *args, **kwargs):
+        from raysim.engine.determinism import nondeterministic_error
+        try:
+            return _Done(self._fn(*[_value(a) for a in args], **{k: _value(v) for k, v in kwargs.items()}))
+        except RuntimeError as err:
+            user = nondeterministic_error(err, self._model)
+            if user is None:
+                raise
+            raise user from None
+
+
+class _Handle:
+    """An object called like an actor: ``handle.method.remote(...)`` runs it now."""
+
+    def __init__(self, obj, model: str = "?"):
+        self.obj, self._model = obj, model
+
+    def __getattr__(self, name):
+        return _Method(getattr(self.obj, name), self._model)
+
+
+class InProcess(RayActors):
+    """Server and hosts as objects in this process. Payloads still go through ``ray.put`` when a
+    Ray instance is up (hosts read them from the object store as on a cluster)."""
+
+    def server(self, cfg):
+        from raysim.engine.server import Server
+        return _Handle(Server(cfg), cfg.model.name)
+
+    def launch_pool(self, cfg, num_hosts: int):
+        from raysim.engine.host import ClientHost
+        hosts = [_Handle(ClientHost(h, cfg, num_hosts, gpu_ids=[]), cfg.model.name) for h in range(num_hosts)]
+        return hosts, [h.start.remote() for h in hosts], None
+
+    def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
+        ready = self.get(starts)
+        if sum(r["clients"] for r in ready) != num_clients:
+            raise RuntimeError(f"the hosts hold {sum(r['clients'] for r in ready)} clients but the server counts "
+                               f"{num_clients}")
+        return ready
+
+    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
+        from raysim.engine.cluster import owner_of
+        hosts, starts, pg = self.launch_pool(cfg, num_hosts)
+        self.await_pool(hosts, starts, num_clients, run_dir)
+        return hosts, owner_of(num_hosts), pg
+
+    def stop_pool(self, hosts, pg, unawaited=()) -> None:
+        pass
+
+    def kill(self, actor) -> None:
+        pass
+
+    def get(self, refs):
+        return [_value(r) for r in refs] if isinstance(refs, list) else _value(refs)
+
+    def wait(self, refs: list) -> tuple[list, list]:
+        return list(refs), []
+
+    def alive(self, actor) -> bool:
+        return True
+
+    def lost(self) -> tuple:
+        return ()

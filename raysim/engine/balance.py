@@ -1,0 +1,79 @@
+"""Which host trains which of a round's clients (``runtime.balance``).
+
+Client k belongs to host k mod H: its stored state lives there between rounds. With pinned
+clients a round lasts as long as the slowest host, so one busy core (a noisy neighbour, a slower
+GPU, a spot node) stretches every round although the other hosts sit idle. With
+``runtime.balance: steal`` the round's clients are handed out in chunks: a host first works
+through its own queue, and once it has nothing left and nothing running it takes the tail of
+another host's queue, but only clients whose stored state is small (``runtime.steal_state_mb``):
+their record travels through the object store to the host that trains them and back to the owner,
+and their data view is rebuilt there. Clients with large state stay on their owner.
+
+Which host ran a client never changes the results: every draw is keyed by (seed, round, client),
+the model a client trains is loaded from the payload and its own record, and the uploads are
+summed in float64 whatever the grouping (raysim.core.aggregation).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+OWN_CHUNK_DIVISOR = 4  # a host's next chunk: a quarter of what is left in its own queue (at least 1)
+PIPELINE = 2  # chunks of its own queue a host has in flight, so it never waits for the driver
+
+
+class StealingPlan:
+    """The round's clients queued on their owners; chunks out to hosts as they ask."""
+
+    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable):
+        """``queues``: owner -> its sampled clients; ``movable(client)``: whether its state may travel."""
+        self.rnd, self.num_hosts, self.movable = rnd, num_hosts, movable
+        self.queues = {h: deque(sorted(queues.get(h, ()))) for h in range(num_hosts)}
+
+    def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
+        """(owner, clients) for ``host`` to train next, given the chunks it has ``in_flight``:
+        from its own queue (owner == host), else stolen from the host with the most movable
+        clients queued (half of them, from the tail); (None, []) when there is nothing for it."""
+        own = self.queues[host]
+        if own:
+            if in_flight >= PIPELINE:
+                return None, []
+            return host, [own.popleft() for _ in range(math.ceil(len(own) / OWN_CHUNK_DIVISOR))]
+        if in_flight:  # steal only when about to idle: a busy thief would take work from a faster owner
+            return None, []
+        counts = {h: sum(1 for c in q if self.movable(c)) for h, q in self.queues.items() if h != host}
+        victim = max(counts, key=lambda h: (counts[h], -h), default=None)
+        if victim is None or counts[victim] == 0:
+            return None, []
+        want, taken = math.ceil(counts[victim] / 2), []
+        for c in reversed(self.queues[victim]):
+            if self.movable(c):
+                taken.append(c)
+                if len(taken) == want:
+                    break
+        for c in taken:
+            self.queues[victim].remove(c)
+        return victim, sorted(taken)
+
+
+class ElsewherePlan(StealingPlan):
+    """Every client trains on the host after its owner's, whatever its state's size: each
+    client's record leaves its owner and comes back every round. A check, not a policy: a method
+    whose results change under it keeps something of a client outside the client's record."""
+
+    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable=None):
+        super().__init__(rnd, queues, num_hosts, lambda c: True)
+
+    def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
+        owner = (host - 1) % self.num_hosts
+        queue = self.queues[owner]
+        if not queue or in_flight:
+            return None, []
+        chunk = list(queue)
+        queue.clear()
+        return owner, chunk
+
+
+def plan_for(cfg):
+    """The plan class ``runtime.balance`` asks for, or None: every client on its owner."""
+    return StealingPlan if cfg.runtime.balance == "steal" else None

@@ -1,0 +1,410 @@
+"""Joining Ray and placing the host pool on it.
+
+Locally raysim starts its own Ray instance that only this machine can reach: every Ray process
+(GCS, raylet, the agents, the driver, every actor) listens on 127.0.0.1, the dashboard is off,
+and Ray's token authentication is on (:func:`start_local_ray`). With ``--address``/``RAY_ADDRESS``
+it joins an existing cluster with token authentication on too, unless ``RAY_AUTH_MODE`` says
+otherwise, and never assumes a single node. The pool is reserved as one placement group, so a
+federation either gets all its hosts or fails fast with the resources it is missing (a group that
+cannot be placed would otherwise wait forever).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+
+from raysim.core.errors import TrainingDiverged, UserError
+from raysim.core.files import writing
+
+SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, runtime=None):
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        join_cluster(address)
+    else:
+        start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
+                    log_to_driver: bool = True) -> None:
+    """Start this process's own Ray instance, reachable from this machine only.
+
+    * Loopback only. Ray 2.60 turns a node address of 127.0.0.1 into the machine's network
+      address (``services.resolve_ip_for_localhost``) unless ``ray_constants.ENABLE_RAY_CLUSTER``
+      is off, and its gRPC servers (GCS, raylet, every worker) bind all interfaces for any node
+      address that is not loopback; so the node address is kept at 127.0.0.1 while ray.init runs,
+      and every process, the runtime-env agent included, then listens on 127.0.0.1 alone.
+    * Token authentication (``RAY_AUTH_MODE=token``), set here rather than left to Ray's default;
+      without a token of the user's (``RAY_AUTH_TOKEN``/``RAY_AUTH_TOKEN_PATH``) the instance gets
+      a random one in this process's environment, which Ray's processes inherit (nothing is
+      written to ~/.ray).
+    * No dashboard; its host stays loopback should it ever start.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _token_auth()
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 as the node address (see above)
+    try:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+                 dashboard_host=LOOPBACK, _system_config={"worker_niceness": int(niceness)},
+                 logging_level=logging.ERROR, log_to_driver=log_to_driver, configure_logging=True)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+
+
+def join_cluster(address: str) -> None:
+    """Connect to the Ray cluster at ``address`` with token authentication on, unless
+    ``RAY_AUTH_MODE`` is set (then it is the cluster's own setting, e.g. ``disabled``)."""
+    import ray
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        _token_auth()
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
+                 configure_logging=True)
+    except ray.exceptions.AuthenticationError as err:
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).split('. ')[0]}; raysim joins "
+                        "with token authentication: give the cluster's token in RAY_AUTH_TOKEN_PATH, "
+                        "RAY_AUTH_TOKEN or ~/.ray/auth_token (or set RAY_AUTH_MODE=disabled for a cluster "
+                        "without authentication)") from None
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+
+
+def _token_auth() -> None:
+    """RAY_AUTH_MODE=token for this process and every process it starts; Ray reads its mode
+    once, so its cached config is refreshed the way Ray does it itself, and a token it may have
+    cached is dropped so the one in force now is read."""
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    _enable_token_auth()
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_resources(cfg, num_hosts: int) -> None:
+    import ray
+
+    total = ray.cluster_resources()
+    rt = cfg.runtime
+    need_gpu = rt.gpus_per_host * num_hosts
+    if need_gpu > 0 and total.get("GPU", 0) == 0:
+        raise UserError(f"runtime.gpus_per_host = {rt.gpus_per_host} but the Ray cluster has no GPUs; "
+                        "set runtime.gpus_per_host=0 or join a cluster with GPUs")
+    need_cpu = rt.cpus_per_host * num_hosts + rt.server_cpus
+    for name, need in (("CPU", need_cpu), ("GPU", need_gpu)):
+        if need > total.get(name, 0) + 1e-9:
+            raise UserError(f"the federation needs {need:g} {name} ({num_hosts} hosts x "
+                            f"{rt.cpus_per_host if name == 'CPU' else rt.gpus_per_host:g}) but the Ray cluster "
+                            f"has {total.get(name, 0):g}; lower runtime.num_hosts or runtime.{name.lower()}s_per_host")
+
+
+def host_bundles(cfg, num_hosts: int) -> list[dict]:
+    rt = cfg.runtime
+    bundle = {"CPU": rt.cpus_per_host}
+    if rt.gpus_per_host:
+        bundle["GPU"] = rt.gpus_per_host
+    return [dict(bundle) for _ in range(num_hosts)]
+
+
+def launch_pool(cfg, num_hosts: int) -> tuple:
+    """Reserve the pool and start every ClientHost; returns (hosts, their start() refs, placement group).
+
+    Nothing waits for the hosts here, so their processes start (and load the data) while the
+    server loads it. Inside a Tune trial the hosts go into the trial's own placement group
+    (bundles 1..H); otherwise raysim reserves one for them.
+    """
+    import ray
+    from ray.util.placement_group import get_current_placement_group, placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raysim.engine.determinism import actor_options
+    from raysim.engine.host import ClientHost
+
+    rt = cfg.runtime
+    pg, own_pg, first_bundle = get_current_placement_group(), None, 1
+    if pg is None:
+        check_resources(cfg, num_hosts)
+        pg = own_pg = placement_group(host_bundles(cfg, num_hosts), strategy="PACK")
+        first_bundle = 0
+        ready, _ = ray.wait([pg.ready()], timeout=rt.pg_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise UserError(f"could not reserve {num_hosts} hosts x {host_bundles(cfg, 1)[0]} within "
+                            f"{rt.pg_timeout_s:g}s; the cluster has {ray.available_resources()} free")
+    actor = ray.remote(ClientHost)
+    hosts = []
+    for h in range(num_hosts):
+        opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host, **actor_options(rt),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
+        hosts.append(actor.options(**opts).remote(h, cfg, num_hosts))
+    return hosts, [h.start.remote() for h in hosts], own_pg
+
+
+def await_pool(hosts: list, starts: list, num_clients: int, run_dir: str | None = None) -> list[dict]:
+    """Wait for the hosts' start(); check they hold the ``num_clients`` clients the server counts."""
+    ready = ray_get(starts)
+    held = sum(r["clients"] for r in ready)
+    if held != num_clients:  # both sides build the federation from the same config: a bug if not
+        raise RuntimeError(f"the hosts hold {held} clients but the server counts {num_clients}")
+    if run_dir is not None:
+        write_hosts(run_dir, ready, num_clients)
+    return ready
+
+
+def create_pool(cfg, num_hosts: int, num_clients: int, run_dir: str | None = None):
+    """Start the ClientHost actors and wait for them; returns (hosts, owner(client_id) -> host
+    index, placement group). With ``run_dir``, where each host landed (Ray node id and address,
+    pid, device, threads, its clients) is written to ``run_dir/hosts.json``."""
+    hosts, starts, pg = launch_pool(cfg, num_hosts)
+    try:
+        await_pool(hosts, starts, num_clients, run_dir)
+    except BaseException:
+        stop_pool(hosts, pg)
+        raise
+    return hosts, owner_of(num_hosts), pg
+
+
+def stop_pool(hosts: list, pg, unawaited=()) -> None:
+    """Kill the hosts and free their placement group; collect start() refs nobody waited for, so
+    Ray reports no "unhandled error" for them on exit."""
+    import ray
+
+    for h in hosts:
+        ray.kill(h)
+    for ref in unawaited:
+        try:
+            ray.get(ref, timeout=10)
+        except Exception:
+            pass
+    if pg is not None:
+        ray.util.remove_placement_group(pg)
+
+
+def owner_of(num_hosts: int):
+    """Client k lives on host k mod H."""
+    return lambda c: c % num_hosts
+
+
+def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
+    """``hosts.json``: one entry per host, with the Ray node it was placed on and its client ids as
+    ``client_range: [start, stop, step]`` (client k lives on host k mod H)."""
+    import json
+
+    import ray
+
+    addresses = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
+    hosts = []
+    for info in ready:
+        h = info.get("host")
+        hosts.append({**info, "node_ip": addresses.get(info.get("node_id")),
+                      "client_range": [h, num_clients, len(ready)]})
+    nodes = sorted({i.get("node_id") for i in ready if i.get("node_id")})
+    path = os.path.join(run_dir, "hosts.json")
+    with writing(path):
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+def ray_get(refs):
+    """ray.get that turns a user error raised inside an actor back into a plain UserError."""
+    import ray
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, TrainingDiverged):
+            raise cause from None
+        if isinstance(cause, UserError):
+            raise UserError(str(cause).splitlines()[0]) from None
+        raise
+
+
+def alive(actor, timeout: float = 30.0) -> bool:
+    import ray
+    try:
+        ray.get(actor.ping.remote(), timeout=timeout)
+        return True
+    except Exception:
+        return False
+
+
+def first_line(err: Exception) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
+
+
+def server_placement():
+    """Inside a Tune trial the server takes bundle 0 of the trial's placement group (the hosts take
+    1..H); otherwise Ray places it."""
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    pg = get_current_placement_group()
+    return None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+
+
+def parallel_slots(cfg, num_jobs: int) -> int:
+    """How many federations run at once: ``runtime.parallel_federations``, or as many as the
+    cluster's free CPUs and GPUs fit (one inside a Tune trial, whose placement group holds one)."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+
+    rt = cfg.runtime
+    if rt.parallel_federations is not None:
+        return max(1, min(rt.parallel_federations, num_jobs))
+    if get_current_placement_group() is not None or rt.num_hosts is None:
+        return 1
+
+    def fits_now() -> int:
+        free = ray.available_resources()
+        fits = int((free.get("CPU", 0) + 1e-9) // max(rt.cpus_per_host * rt.num_hosts + rt.server_cpus, 1e-9))
+        if rt.gpus_per_host:
+            fits = min(fits, int((free.get("GPU", 0) + 1e-9) // (rt.gpus_per_host * rt.num_hosts)))
+        return fits
+
+    # Ray frees a killed actor's resources asynchronously, so right after a previous run the free
+    # count can lag by a few hundred ms; look a few times before settling for fewer slots.
+    fits = fits_now()
+    for _ in range(SLOT_SETTLE_TRIES):
+        if fits >= num_jobs:
+            break
+        time.sleep(SLOT_SETTLE_S)
+        fits = max(fits, fits_now())
+    return max(1, min(fits, num_jobs))
+
+
+# ----------------------------------------------------------------------------- lost actors, leftovers
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_reason(err: BaseException) -> str:
+    """Why an actor is gone, in a few plain words: the innermost cause's reason and the process id
+    (Ray's text carries colour codes, the calling actor's repr and a paragraph of advice)."""
+    seen = set()
+    while getattr(err, "cause", None) is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = err.cause
+    text = _ANSI.sub("", str(err))
+    why = re.search(r"The actor is dead because ([^.\n]*)", text)
+    if why:
+        reason = why.group(1).strip()
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("ray::")]
+        reason = lines[0][:160] if lines else type(err).__name__
+    pid = re.search(r"\bpid[:=] ?(\d+)", text)
+    return f"{reason}, pid {pid.group(1)}" if pid else reason
+
+
+def quiet_worker_death_notices() -> None:
+    """Drop Ray's own "(raylet) A worker died or was killed ..." notice (a coloured paragraph on
+    stdout): the round loop says in one line which actor was lost and that it replaces it. Other
+    notices (out of memory, autoscaler) still print. A no-op if Ray's internals moved."""
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_raysim_quiet", False):
+        return
+
+    def print_to_stdstream(data, *args, **kwargs):
+        if data.get("pid") == "raylet" and all(
+                str(line).lstrip().startswith("A worker died or was killed") for line in data.get("lines", [])):
+            return
+        return original(data, *args, **kwargs)
+
+    print_to_stdstream._raysim_quiet = True
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
+@contextlib.contextmanager
+def no_leftover_ray_processes():
+    """On leaving, end what is left of the Ray node started inside (the Ray processes among this
+    process's descendants that were not there on entering, nor below one that was). ``ray.shutdown``
+    stops them on a normal exit; a Ctrl-C inside ``ray.init`` leaves the dashboard and runtime-env
+    agents waiting ~60 s on a GCS that is gone. A driver that joined a cluster starts none."""
+    before = {pid for pid, _ in _descendants(os.getpid())}
+    try:
+        yield
+    finally:
+        stop_descendants(lambda cmd: "ray" in cmd, skip=before)
+
+
+def stop_descendants(match, skip=frozenset(), grace_s: float = 3.0) -> list[int]:
+    """SIGTERM this process's descendants whose command line ``match``es (none in ``skip`` or below
+    one), SIGKILL those still there after ``grace_s``; returns their pids (Linux /proc; elsewhere
+    nothing)."""
+    import signal
+
+    pids = [pid for pid, cmd in _descendants(os.getpid(), skip) if match(cmd)]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _descendants(root: int, skip=frozenset()) -> list[tuple[int, str]]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            with open(f"/proc/{e}/stat", encoding="utf-8") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, stack = [], [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            if pid in skip:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            out.append((pid, cmd))
+            stack.append(pid)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,79 @@
+"""What a client step computes, for the simulated clock: every pass, counted where it runs.
+
+A method's client step may run passes beside its training steps: Ditto's personal solver, MOON's
+frozen references, ELCFS's meta-step, FedADG's discriminator and generator, SCAFFOLD option I's
+gradient pass, DapperFL's BN pass. Counting ``steps x batch x model`` charges none of them, and a
+method cannot be trusted to declare them. :class:`ComputeMeter` sees them all: while a client step
+runs, a process-wide forward hook on every conv and linear layer charges
+
+* each forward:  positions x non-zero weight entries x batch (the multiply-accumulates of the layer
+  that actually ran: a pruned or dropped-out sub-model's zeroed filters cost nothing, a frozen
+  reference, a discriminator or a generator costs what it is, and the batch is the real one);
+* each backward through the layer: the same again for the gradient of its input, and again for the
+  gradient of its weight when the weight trains: the usual convention that a trained layer's
+  backward costs 2 x its forward (charged for the first layer too, whose input needs no gradient),
+  and a frozen layer that a gradient passes through 1 x.
+
+Norms, activations and pooling are not counted (the convention of :func:`raysim.models.count_flops`),
+nor the probe pass :func:`raysim.models.count_flops` runs to measure a model (bookkeeping).
+The sums stay on the layer's device; reading :attr:`ComputeMeter.macs` syncs once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raysim.models.flops import probing
+
+# the layers whose multiply-accumulates the meter counts (the cohort step counts the same ones)
+METERED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+class ComputeMeter:
+    """``with ComputeMeter() as meter: method.local_update(ctx)``, then ``meter.macs``."""
+
+    def __init__(self):
+        self._sums: dict[torch.device, torch.Tensor] = {}
+        self._nnz: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(weight) -> (version, data_ptr, count)
+        self._handle = None
+
+    def __enter__(self) -> "ComputeMeter":
+        self._handle = nn.modules.module.register_module_forward_hook(self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+        self._handle = None
+        self._nnz.clear()
+
+    @property
+    def macs(self) -> float:
+        """Multiply-accumulates of every pass so far (forward and backward)."""
+        return float(sum(float(s) for s in self._sums.values()))
+
+    def _nonzero(self, weight: torch.Tensor) -> torch.Tensor:
+        """Non-zero entries of ``weight``, recounted only when it changed (training steps change it)."""
+        key, version = id(weight), (weight._version, weight.data_ptr())
+        hit = self._nnz.get(key)
+        if hit is None or hit[:2] != version:
+            hit = self._nnz[key] = (*version, torch.count_nonzero(weight.detach()))
+        return hit[2]
+
+    def _add(self, device: torch.device, macs: torch.Tensor) -> None:
+        total = self._sums.get(device)
+        self._sums[device] = macs.to(torch.float64) if total is None else total + macs
+
+    def _forward(self, module: nn.Module, inputs, output) -> None:
+        if not isinstance(module, METERED_LAYERS) or not isinstance(output, torch.Tensor) or probing():
+            return
+        weight = module.weight
+        if isinstance(module, nn.Linear):
+            rows = output.numel() // output.shape[-1]  # every leading dimension: batch (x tokens)
+        else:
+            rows = output.shape[0] * output.shape[2:].numel()  # batch x output positions
+        macs = self._nonzero(weight) * rows
+        self._add(output.device, macs)
+        if output.requires_grad:  # a backward pass may come through this layer: charge it when it does
+            passes = 1 + int(weight.requires_grad)  # input gradient (+ weight gradient)
+            output.register_hook(lambda grad, macs=macs, passes=passes, device=output.device:
+                                 self._add(device, macs * passes))

@@ -1,0 +1,440 @@
+"""One federation's life: a Server actor, a host pool, the round loop, checkpoints and recovery.
+
+Everything said to the outside world goes through callbacks (:class:`Callback`): metrics files,
+progress lines, Tune reports. A lost ClientHost or a lost Server is replaced and the federation
+rolls back to its last checkpoint (or to round 0, which is always reproducible) and replays: every
+draw is keyed by (seed, round, client), so the metrics come out identical to an undisturbed run's.
+Up to ``runtime.max_restarts`` losses in a row without progress are replaced; the count starts
+again once a round past the furthest one that failed completes (a fault window, not a run budget).
+
+Checkpoints: after every ``checkpoint.every``-th round and whenever ``checkpoint.minutes`` of wall
+time passed since the last one (the interval stretched to 20 x the last write's time), so a lost
+driver or server costs at most that much work.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+from raysim.engine import checkpoint
+from raysim.config import dump_yaml
+from raysim.engine.layout import host_layout
+from raysim.core.errors import Interrupted, RunFailed
+from raysim.engine.metrics import MetricsLog
+from raysim.core.files import WriteFailed, describe, free_space_note, writing
+from raysim.engine.backend import RayActors
+from raysim.engine.balance import plan_for
+from raysim.engine.cluster import owner_of, plain_reason
+from raysim.core.seeding import SERVER, rng_for
+
+CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
+
+
+@dataclass
+class MethodRun:
+    method: str
+    run_dir: str
+    rounds_done: int
+    seconds: float
+    startup_seconds: float
+    round_seconds: list[float]
+    last_eval: dict
+    host_restarts: int = 0
+    server_restarts: int = 0
+
+
+class Callback:
+    """What the round loop reports; override what you need."""
+
+    def on_start(self, run: "FederationRun") -> None:
+        """The pool is up and the loop starts (``run.server``, ``run.hosts`` exist)."""
+
+    def on_round(self, rnd: int, summary: dict, evaluation: dict | None, log: MetricsLog) -> None:
+        """After every round that completed (``evaluation`` None on rounds without one)."""
+
+    def on_end(self, log: MetricsLog) -> None:
+        """When the loop stops, finished or not."""
+
+
+class FederationRun:
+    """One federation of ``cfg`` (a single method, seed and held-out domain) in ``run_dir``."""
+
+    def __init__(self, cfg, run_dir: str, callbacks=(), backend=None):
+        """``backend``: where the server and hosts live (Ray actors by default; see runtime.backend)."""
+        self.cfg, self.run_dir = cfg, run_dir
+        self.callbacks = list(callbacks)
+        self.backend = backend or RayActors()
+        self.server = None
+        self.hosts, self.pg = [], None
+        self._unawaited = []  # start() refs of hosts launched before the server was ready
+        self.log = MetricsLog()
+        self.host_restarts = self.server_restarts = 0
+        self.faults = FaultWindow(cfg.runtime.max_restarts)
+        self.resume_dir = run_dir  # the folder ``raysim run --resume`` takes (a comparison's top folder)
+        self._ckpt_at, self._ckpt_seconds = time.monotonic(), 0.0  # the last checkpoint: when, how long
+        # runtime.balance: how a round's clients are spread over the hosts (raysim.engine.balance)
+        self.plan = plan_for(cfg)
+        self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self, resume: bool = False) -> MethodRun:
+        cfg = self.cfg
+        config_path = os.path.join(self.run_dir, "config.yaml")
+        with writing(config_path):
+            os.makedirs(self.run_dir, exist_ok=True)
+            if not resume or not os.path.isfile(config_path):
+                dump_yaml(cfg, config_path)
+        t_start = time.perf_counter()
+        round_seconds, last_eval, rnd, failure = [], {}, 0, None
+        try:
+            self.server = self.backend.server(cfg)
+            server_started = self.server.start.remote()
+            self._launch_hosts_early()
+            self.info = self.backend.get(server_started)
+            self.n = self.info["num_clients"]
+            self.num_hosts, _ = host_layout(cfg.runtime, self.n)
+            self._start_hosts()
+            self.domain_of = self.info["client_domains"].__getitem__
+            self.requests = eval_requests(cfg, eval_clients(cfg, self.n), self.info)
+            rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
+            startup = time.perf_counter() - t_start
+            for cb in self.callbacks:
+                cb.on_start(self)
+            self._ckpt_at = time.monotonic()
+            while rnd <= cfg.rounds:
+                t0 = time.perf_counter()
+                try:
+                    summary, evaluation = self._round(rnd)
+                    if self._checkpoint_due(rnd):
+                        self._checkpoint(rnd)
+                except ActorLost as lost:
+                    rnd = self._recover(lost, rnd) + 1
+                    continue
+                self.faults.completed(rnd)
+                last_eval = evaluation or last_eval
+                round_seconds.append(time.perf_counter() - t0)
+                for cb in self.callbacks:
+                    cb.on_round(rnd, summary, evaluation, self.log)
+                rnd += 1
+            rnd = cfg.rounds
+            _write_status(self.run_dir, finished=True, rounds=rnd, startup_seconds=startup,
+                          round_seconds=round_seconds, host_restarts=self.host_restarts,
+                          server_restarts=self.server_restarts)
+        except BaseException as err:  # noqa: BLE001 -- mapped to one line, re-raised below
+            failure = self._failure(err, rnd)
+        self._end(failure)
+        if failure is not None:
+            raise failure
+        return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
+                         last_eval, self.host_restarts, self.server_restarts)
+
+    def _failure(self, err: BaseException, rnd: int) -> BaseException:
+        """What the run raises for ``err``: Ctrl-C and failed writes as one line with what is intact
+        and how to resume; anything else as it is."""
+        where = f"in round {rnd}" if rnd else "during start-up"
+        if isinstance(err, KeyboardInterrupt):
+            return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=getattr(err, "signal", 2))
+        if isinstance(err, self.backend.lost()):  # before the loop, where nothing replaces them
+            err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server))
+        if isinstance(err, ActorLost):
+            return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
+        if isinstance(err, OSError):  # a write no `writing(...)` named
+            err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
+        if isinstance(err, WriteFailed):
+            return RunFailed(f"{err}; {checkpoint.intact(self.run_dir)}; {self._resume_hint()}")
+        return err
+
+    def _end(self, failure: BaseException | None) -> None:
+        """The callbacks' on_end and the actors' end. After a failure, their own errors are dropped
+        (a full disk fails the metrics write again: the first error is the one to report)."""
+        first = None
+        for cb in self.callbacks:
+            try:
+                cb.on_end(self.log)
+            except Exception as err:
+                first = first or err
+        try:
+            self._stop()
+        except Exception as err:
+            first = first or err
+        if failure is None and first is not None:
+            mapped = self._failure(first, self.log.last_round())
+            if mapped is first:
+                raise first
+            raise mapped from None
+
+    def _launch_hosts_early(self) -> None:
+        """With runtime.num_hosts fixed, the pool starts while the server loads the data (about
+        half of a small federation's start-up); otherwise its size waits for the client count."""
+        rt = self.cfg.runtime
+        if rt.num_hosts is not None and rt.clients_per_host is None:
+            self.hosts, self._unawaited, self.pg = self.backend.launch_pool(self.cfg, rt.num_hosts)
+
+    def _start_hosts(self) -> None:
+        total = self.n + self.info["num_targets"]
+        if self._unawaited and len(self.hosts) == self.num_hosts:  # launched early, at the right size
+            starts, self._unawaited = self._unawaited, []
+            self.backend.await_pool(self.hosts, starts, total, run_dir=self.run_dir)
+            self.owner = owner_of(self.num_hosts)
+            return
+        self._stop_hosts()  # an early pool larger than the clients (or nothing, normally)
+        self.hosts, self.owner, self.pg = self.backend.create_pool(self.cfg, self.num_hosts, total,
+                                                                   run_dir=self.run_dir)
+
+    def _stop_hosts(self) -> None:
+        self.backend.stop_pool(self.hosts, self.pg, self._unawaited)
+        self.hosts, self.pg, self._unawaited = [], None, []
+
+    def _stop(self) -> None:
+        self._stop_hosts()
+        if self.server is not None:
+            self.backend.kill(self.server)
+            self.server = None
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, rnd: int):
+        cfg, server = self.cfg, self.server
+        sampled = self._call(server.sample.remote(rnd))
+        payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
+        if self.plan is None or len(self.hosts) == 1:
+            futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
+                                                        {c: personal[c] for c in cids if c in personal})
+                       for h, cids in split_by_host(sampled, self.owner).items()]
+            returned = []
+        else:
+            futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
+        summary = self._call(server.aggregate.remote(rnd, *futures))
+        self._call(returned)  # moved clients' records are back on their owners before anyone reads them
+        results = None
+        if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
+            personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
+            payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests) if personalized else [],
+                                                                       False))
+            futures = [self.hosts[h].evaluate.remote(rnd, payload_box, {c: self.requests[c] for c in cids},
+                                                     cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
+                       for h, cids in split_by_host(self.requests, self.owner).items()]
+            results = {}
+            for part in self._call(futures):
+                results.update(part)
+        # metrics only once the whole round succeeded, so a replayed round never logs twice
+        self.log.add_round(rnd, summary, self.domain_of)
+        evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
+        return summary, evaluation
+
+    def _train_balanced(self, rnd: int, sampled: list[int], payload_box: list, personal: dict):
+        """Train the round's clients in chunks handed to hosts as they free up (``self.plan``);
+        returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
+        limit = self.cfg.runtime.steal_state_mb * 2**20
+        plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
+                         lambda c: self.state_bytes.get(c, 0) <= limit)
+        # the records a thief may need, read from each owner before its first chunk (so a busy owner
+        # never holds a thief up); clients without a record start from their initial state anywhere
+        exports = {h: [self.hosts[h].export_records.remote(cids)]
+                   for h, q in plan.queues.items()
+                   if (cids := [c for c in q if c in self.state_bytes and plan.movable(c)])}
+        running: dict = {}  # ref -> (host, owner)
+        returned = []
+
+        def feed(h: int) -> None:
+            while True:
+                owner, cids = plan.next_chunk(h, sum(1 for host, _ in running.values() if host == h))
+                if not cids:
+                    return
+                moved = None if owner == h else exports.get(owner, [None])
+                ref = self.hosts[h].train_clients.remote(rnd, payload_box, cids,
+                                                         {c: personal[c] for c in cids if c in personal}, moved)
+                running[ref] = (h, owner)
+
+        for h in range(len(self.hosts)):
+            feed(h)
+        while running:
+            ready, _ = self.backend.wait(list(running))
+            for ref in ready:
+                h, owner = running.pop(ref)
+                done = self._call(ref)
+                self.state_bytes.update(done["state_bytes"])
+                if done["records"]:
+                    returned.append(self.hosts[owner].import_states.remote(done["records"]))
+                feed(h)
+        return [host.end_round.remote(rnd) for host in self.hosts], returned
+
+    def _call(self, refs):
+        """The results of ``refs``; a lost server or host raises :class:`ActorLost` (recoverable)."""
+        try:
+            return self.backend.get(refs)
+        except self.backend.lost() as err:
+            reason = plain_reason(err)
+            if not self.backend.alive(self.server):
+                raise ActorLost([], reason, server=True) from None
+            dead = [h for h, actor in enumerate(self.hosts) if not self.backend.alive(actor)]
+            if not dead:
+                raise
+            raise ActorLost(dead, reason) from None
+
+    # ------------------------------------------------------------------ recovery and checkpoints
+    def _recover(self, lost: "ActorLost", rnd: int) -> int:
+        """Replace what was lost (the server, or the host pool), and the pool in any case (its
+        clients' state is ahead of the checkpoint); roll back to the last checkpoint (or round 0)
+        and return its round."""
+        while True:
+            if not self.faults.failed(rnd):
+                raise RunFailed(f"{lost.what} was lost in round {rnd} ({lost.reason}), {self.faults.count} times "
+                                f"without progress (runtime.max_restarts = {self.faults.limit}); "
+                                f"{self._resume_hint()}")
+            ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
+            start = f"the checkpoint of round {ckpt['round']}" if ckpt else "round 1"
+            _warn(f"raysim: warning: {lost.what} was lost in round {rnd} ({lost.reason}); replacing it and "
+                  f"replaying from {start} (restart {self.faults.count} of {self.faults.limit})")
+            try:
+                self._stop_hosts()
+                if lost.server:
+                    self.server_restarts += 1
+                    self.backend.kill(self.server)
+                    self.server = self.backend.server(self.cfg)
+                    self._call(self.server.start.remote())
+                else:
+                    self.host_restarts += 1
+                    if ckpt is None:
+                        self._call(self.server.reset.remote())
+                self._start_hosts()
+                return self._restore(ckpt)
+            except ActorLost as again:  # lost again while replacing: the same fault window
+                lost = again
+            except self.backend.lost() as err:
+                lost = ActorLost([], plain_reason(err), server=not self.backend.alive(self.server))
+
+    def _checkpoint_due(self, rnd: int) -> bool:
+        c = self.cfg.checkpoint
+        if rnd >= self.cfg.rounds:  # the finished run needs none
+            return False
+        if c.every and rnd % c.every == 0:
+            return True
+        if c.minutes is None:
+            return False
+        return time.monotonic() - self._ckpt_at >= max(c.minutes * 60, CHECKPOINT_COST_CAP * self._ckpt_seconds)
+
+    def _restore(self, ckpt: dict | None) -> int:
+        self.state_bytes = {}
+        if ckpt is None:
+            self.log = MetricsLog()
+            return 0
+        self._call(self.server.load_state.remote(ckpt["server"]))
+        by_host: dict[int, dict] = {}
+        for cid, record in ckpt["clients"].items():
+            by_host.setdefault(self.owner(cid), {})[cid] = record
+        for sizes in self._call([self.hosts[h].import_states.remote(records) for h, records in by_host.items()]):
+            self.state_bytes.update(sizes)
+        self.log = MetricsLog.from_table(ckpt["metrics"])
+        return ckpt["round"]
+
+    def _checkpoint(self, rnd: int) -> None:
+        t0 = time.monotonic()
+        server_state = self._call(self.server.export_state.remote())
+        clients = {}
+        for part in self._call([h.export_states.remote() for h in self.hosts]):
+            clients.update(part)
+        try:
+            checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
+                             keep=self.cfg.checkpoint.keep)
+        except Exception as err:  # torch.save says "unexpected pos" where the disk is full
+            # no partial checkpoint left behind: it would hold the space a resume needs
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_dir(self.run_dir), f"round-{rnd:06d}.tmp"),
+                          ignore_errors=True)
+            note = "" if isinstance(err, OSError) else free_space_note(checkpoint.checkpoint_dir(self.run_dir))
+            raise WriteFailed(f"the checkpoint of round {rnd}", f"{describe(err)}{note}") from None
+        self._ckpt_at = time.monotonic()
+        self._ckpt_seconds = self._ckpt_at - t0
+
+    def _resume_hint(self) -> str:
+        if checkpoint.list_rounds(self.run_dir):
+            return f"resume with: raysim run --resume {self.resume_dir}"
+        return f"rerun with: raysim run --resume {self.resume_dir} (no checkpoint yet: it restarts from round 1)"
+
+
+class FaultWindow:
+    """The restart budget: ``limit`` losses in a row without progress. A loss in round r counts;
+    the count starts again once a round at or past the furthest round that failed completes (the
+    replay caught up and went on). So a long run survives any number of separate faults, and a
+    round that fails every time ends the run after ``limit`` replacements."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.furthest = limit, 0, 0
+
+    def failed(self, rnd: int) -> bool:
+        """Count a loss in round ``rnd``; whether the budget allows replacing it."""
+        self.count += 1
+        self.furthest = max(self.furthest, rnd)
+        return self.count <= self.limit
+
+    def completed(self, rnd: int) -> None:
+        if rnd >= self.furthest:
+            self.count = 0
+
+
+class ActorLost(Exception):
+    """The Server (``server``) or ClientHosts (``hosts``) died; the round loop replaces them."""
+
+    def __init__(self, hosts: list[int], reason: str, server: bool = False):
+        self.hosts, self.reason, self.server = hosts, reason, server
+        if server:
+            self.what = "the Server"
+        elif hosts:
+            self.what = ("ClientHost " if len(hosts) == 1 else "ClientHosts ") + ", ".join(map(str, hosts))
+        else:
+            self.what = "a ClientHost"
+        super().__init__(f"{self.what} lost: {reason}")
+
+
+def finished(run_dir: str) -> bool:
+    """Whether the federation in ``run_dir`` ran all its rounds (its status.json says so)."""
+    try:
+        with open(os.path.join(run_dir, "status.json"), encoding="utf-8") as fh:
+            return json.load(fh).get("finished", False)
+    except (OSError, ValueError):
+        return False
+
+
+def eval_requests(cfg, clients: list[int], info: dict) -> dict[int, list[str]]:
+    """Which splits each client is evaluated on. Leave-one-domain-out selects models by the
+    source clients' validation accuracy and reports the unseen clients' test accuracy."""
+    if cfg.eval.protocol == "lodo":
+        n, t = info["num_clients"], info["num_targets"]
+        return {**{c: ["val"] for c in clients}, **{c: ["test"] for c in range(n, n + t)}}
+    return {c: list(cfg.eval.splits) for c in clients}
+
+
+def eval_clients(cfg, n: int) -> list[int]:
+    if cfg.eval.clients == "all" or cfg.eval.clients >= n:
+        return list(range(n))
+    rng = rng_for(cfg.seed, 0, SERVER, "eval-clients")
+    return sorted(int(c) for c in rng.choice(n, size=cfg.eval.clients, replace=False))
+
+
+def split_by_host(client_ids, owner) -> dict[int, list[int]]:
+    by_host: dict[int, list[int]] = {}
+    for c in client_ids:
+        by_host.setdefault(owner(c), []).append(c)
+    return dict(sorted(by_host.items()))
+
+
+def _write_status(run_dir: str, **status) -> None:
+    path = os.path.join(run_dir, "status.json")
+    with writing(path):
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(status, fh)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr)

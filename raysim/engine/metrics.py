@@ -1,0 +1,168 @@
+"""Metrics in long format: one row per (round, client, domain, split, metric, value).
+
+``client`` is -1 for federation-level rows: per-domain pooled accuracy; ``AVG``, the mean over
+domains of those pooled accuracies (the papers' AVG, "the average accuracy across all domains");
+``ALL``, the accuracy over every client's pooled samples (the papers' ALL); ``AVG_clients``, the
+plain mean of the clients' accuracies (equal to AVG with one client per domain and a shared test
+set, not otherwise); ``AVG_weighted``, the clients' accuracies weighted by their training-set sizes
+(FDSE's code selects its reported round by this on the validation split). Communication and
+training loss are federation-level rows too.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raysim.core.files import writing
+
+COLUMNS = ("round", "client", "domain", "split", "metric", "value")
+SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
+                    ("split", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
+
+
+class MetricsLog:
+    def __init__(self):
+        self._cols: dict[str, list] = {c: [] for c in COLUMNS}
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "MetricsLog":
+        log = cls()
+        for c in COLUMNS:
+            log._cols[c] = table.column(c).to_pylist()
+        return log
+
+    def add(self, rnd: int, client: int, domain: str, split: str, metric: str, value: float) -> None:
+        for c, v in zip(COLUMNS, (rnd, client, domain, split, metric, float(value))):
+            self._cols[c].append(v)
+
+    def __len__(self) -> int:
+        return len(self._cols["round"])
+
+    def table(self) -> pa.Table:
+        return pa.table(self._cols, schema=SCHEMA)
+
+    def last_round(self) -> int:
+        """The last round with rows (0 if none): a resumed federation's starting point."""
+        return int(max(self._cols["round"], default=0))
+
+    def round_rows(self, rnd: int) -> list[tuple]:
+        """(round, client, domain, split, metric, value) of round ``rnd``, whose rows the round loop
+        adds last: the log's tail, so this costs the round's rows, not the log's."""
+        rounds = self._cols["round"]
+        i = len(rounds)
+        while i > 0 and rounds[i - 1] == rnd:
+            i -= 1
+        return list(zip(*(self._cols[c][i:] for c in COLUMNS)))
+
+    def write(self, path: str) -> None:
+        """Into ``path.tmp``, renamed into place: a failed write leaves the previous file as it was
+        (and no ``.tmp``); its error is a one-line WriteFailed naming the file."""
+        tmp = f"{path}.tmp"
+        with writing(path):
+            try:
+                pq.write_table(self.table(), tmp)
+                os.replace(tmp, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
+
+    # ------------------------------------------------------------------ rows from results
+    def add_round(self, rnd: int, summary: dict, domain_of=None) -> None:
+        """Training rows: every numeric client metric (loss, a method's diagnostics, footprints),
+        their mean over the round's clients, and the round's communication."""
+        per_client = summary.get("client_metrics", {})
+        names = sorted({k for m in per_client.values() for k, v in m.items() if _is_number(v)})
+        for name in names:
+            values = []
+            for cid in sorted(per_client):
+                v = per_client[cid].get(name)
+                if _is_number(v):
+                    values.append(float(v))
+                    if domain_of is not None:
+                        self.add(rnd, cid, domain_of(cid), "train", name, v)
+            self.add(rnd, -1, "ALL", "train", name, float(np.mean(values)))
+        if "loss" not in names:
+            self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
+        self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
+        self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
+        for name, value in (summary.get("clock") or {}).items():  # the simulated clock (client profiles)
+            self.add(rnd, -1, "ALL", "clock", name, value)
+        for name, value in (summary.get("server_metrics") or {}).items():
+            self.add(rnd, -1, "ALL", "server", name, value)
+        if summary.get("bytes_up_eval"):  # personal tensors gathered only to build the global model
+            self.add(rnd, -1, "ALL", "comm", "bytes_up_eval", summary["bytes_up_eval"])
+
+    def add_eval(self, rnd: int, results: dict[int, dict], domain_of) -> dict:
+        """Per-client rows, then per-domain and AVG/ALL/AVG_clients/AVG_weighted rows.
+
+        ``results[client][split]`` = {"correct", "loss_sum", "n"[, "n_train"]}. Returns
+        {split: {"AVG": ..., "ALL": ..., "AVG_clients": ...}}."""
+        headline = {}
+        splits = sorted({s for r in results.values() for s in r})
+        for split in splits:
+            pooled: dict[str, np.ndarray] = {}  # domain -> [correct, loss_sum, n]
+            client_acc, train_sizes = [], []
+            for cid in sorted(results):
+                r = results[cid].get(split)
+                if r is None or r["n"] == 0:
+                    continue
+                dom = domain_of(cid)
+                acc, loss = r["correct"] / r["n"], r["loss_sum"] / r["n"]
+                self.add(rnd, cid, dom, split, "accuracy", acc)
+                self.add(rnd, cid, dom, split, "loss", loss)
+                client_acc.append(acc)
+                train_sizes.append(float(r.get("n_train", 1)))
+                pooled.setdefault(dom, np.zeros(3))
+                pooled[dom] += (r["correct"], r["loss_sum"], r["n"])
+            domain_acc = []
+            for dom in pooled:  # clients are numbered domain by domain: the dataset's order
+                c, ls, n = pooled[dom]
+                domain_acc.append(c / n)
+                self.add(rnd, -1, dom, split, "accuracy", c / n)
+                self.add(rnd, -1, dom, split, "loss", ls / n)
+            if client_acc:
+                total = sum(pooled.values())
+                avg, all_ = float(np.mean(domain_acc)), total[0] / total[2]
+                avg_clients = float(np.mean(client_acc))
+                w = np.asarray(train_sizes)
+                avg_weighted = float(np.dot(w, client_acc) / w.sum()) if w.sum() > 0 else avg_clients
+                self.add(rnd, -1, "AVG", split, "accuracy", avg)
+                self.add(rnd, -1, "ALL", split, "accuracy", all_)
+                self.add(rnd, -1, "ALL", split, "loss", total[1] / total[2])
+                self.add(rnd, -1, "AVG_clients", split, "accuracy", avg_clients)
+                self.add(rnd, -1, "AVG_weighted", split, "accuracy", avg_weighted)
+                headline[split] = {"AVG": avg, "ALL": all_, "AVG_clients": avg_clients}
+        return headline
+
+
+class MetricsWriter:
+    """Round-loop callback: ``metrics.parquet`` after every evaluated round (an early-stopped or
+    killed run keeps its rows so far) and when the loop ends."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "metrics.parquet")
+
+    def on_start(self, run) -> None:
+        pass
+
+    def on_round(self, rnd: int, summary: dict, evaluation, log: MetricsLog) -> None:
+        if evaluation is not None:
+            log.write(self.path)
+
+    def on_end(self, log: MetricsLog) -> None:
+        if len(log):
+            log.write(self.path)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def read(path: str):
+    """metrics.parquet as a pandas DataFrame."""
+    return pq.read_table(path).to_pandas()

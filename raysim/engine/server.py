@@ -1,0 +1,171 @@
+"""Server: holds the global state, samples clients, reduces the hosts' partial results with the
+method's aggregator (in host order: see raysim.core.aggregation) and runs the method's server step.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from raysim.core.aggregation import WeightedMean
+from raysim.core.errors import UserError
+from raysim.engine.clock import read_trace
+from raysim.engine.federation import ClientDomains, Federation
+from raysim.core.seeding import SERVER, rng_for
+from raysim.core.tensors import tensors_nbytes
+
+
+class Server:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def start(self) -> dict:
+        """Build data, partition and initial state. Not in __init__: an error raised there reaches
+        the driver without its cause, and a user error must arrive as one clear line."""
+        self.fed = Federation(self.cfg)
+        self.method = self.fed.method
+        model = self.fed.initial_model()
+        self.state = self.method.init_server(model)
+        self.n = self.fed.num_clients
+        self.per_round = self._clients_per_round()
+        # global / lodo protocols: the uniform mean of the last round's clients' personal tensors,
+        # for the global model only (Method.global_eval_model); never broadcast for training
+        self.personal_mean: dict[str, torch.Tensor] = {}
+        trace = self.cfg.clients.profiles.trace
+        self.online_by_round = trace_by_round(read_trace(trace), self.n) if trace else None
+        self.availability = level_availability(self.fed.setup.client_profiles)
+        return self.describe()
+
+    def _clients_per_round(self) -> int:
+        cfg = self.cfg
+        if cfg.clients_per_round is not None:
+            if cfg.clients_per_round > self.n:
+                raise UserError(f"clients_per_round = {cfg.clients_per_round} but the federation has "
+                                f"{self.n} clients")
+            return cfg.clients_per_round
+        if cfg.fraction is not None:
+            return max(1, int(round(cfg.fraction * self.n)))
+        return self.n
+
+    def describe(self) -> dict:
+        """What the driver needs to know; ``client_domains`` (training clients, then the unseen
+        ones) is a ClientDomains of a few runs, not a list of every client's domain."""
+        part = self.fed.partition
+        domains = self.fed.setup.client_domains
+        if self.fed.target is not None:
+            domains = domains + ClientDomains.of(self.fed.target)
+        return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
+                "domains": list(self.fed.domains), "client_domains": domains,
+                "num_train": [part.num_samples(c, "train") for c in range(min(self.n, 1000))]}
+
+    # ------------------------------------------------------------------ round
+    def sample(self, rnd: int) -> list[int]:
+        """The round's clients: ``clients_per_round`` of those online (client profiles' availability)."""
+        online = self.online(rnd)
+        if self.per_round >= len(online):
+            return [int(c) for c in online]
+        rng = rng_for(self.cfg.seed, rnd, SERVER, "sample")
+        if len(online) == self.n:
+            return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
+        return sorted(int(online[int(i)]) for i in rng.choice(len(online), size=self.per_round, replace=False))
+
+    def online(self, rnd: int):
+        """Client ids online in round ``rnd`` (ascending): every client (a range) without profiles;
+        else the availability trace's, or a draw keyed by (seed, round) against each client's
+        level's availability (vectorised through the tier array: no per-client Python loop)."""
+        if self.online_by_round is not None:
+            return self.online_by_round.get(rnd, [])
+        if self.availability is None:
+            return range(self.n)
+        u = rng_for(self.cfg.seed, rnd, SERVER, "available").random(self.n)
+        return np.flatnonzero(u < self.availability[self.fed.setup.client_profiles.tiers])
+
+    def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
+        """ray.put the round's payload once; per-client payloads only when the method has them.
+
+        Returns ``([payload_ref], {client_id: personal_ref})``; the ref travels inside a list so
+        that each host fetches it from the object store itself.
+        """
+        if for_training:
+            payload = self.method.broadcast(self.state, rnd)
+        else:
+            payload = self.method.eval_payload(self.state, rnd)
+            if self.personal_mean:
+                payload = {**payload, "personal_mean": self.personal_mean}
+        personal = {}
+        down = tensors_nbytes(payload) * len(client_ids)
+        for cid in client_ids:
+            p = self.method.client_payload(self.state, cid, rnd)
+            if p is not None:
+                personal[cid] = _put(p)
+                down += tensors_nbytes(p)
+        if for_training:
+            self._bytes_down = down
+        return [_put(payload)], personal
+
+    def aggregate(self, rnd: int, *host_results) -> dict:
+        results = sorted(host_results, key=lambda r: r["host"])
+        uploads = self.method.aggregator.reduce([r["partial"] for r in results])
+        if uploads.clients:  # no upload arrived (every client dropped): the server state stays as it was
+            self.state = self.method.aggregate(self.state, uploads, rnd)
+        gathered = [r["personal"] for r in results if r["personal"] is not None]
+        if gathered:
+            self.personal_mean = WeightedMean().reduce(gathered).mean
+        metrics = {c: m for r in results for c, m in r["metrics"].items()}
+        clients = sorted(metrics)
+        losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
+        clock = {}
+        if any("completed" in m for m in metrics.values()):  # the round lasts as long as its slowest finisher
+            done = [m["sim_seconds"] for m in metrics.values() if m.get("completed")]
+            late = any(m.get("dropped_deadline") for m in metrics.values())
+            clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
+                     "completed": float(len(done)), "sampled": float(len(metrics))}
+        return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
+                "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
+                "bytes_up_eval": sum(r.get("bytes_up_eval", 0) for r in results),
+                "server_metrics": self.method.server_metrics(self.state), "clock": clock,
+                "bytes_down": getattr(self, "_bytes_down", 0),
+                "host_seconds": {r["host"]: r["seconds"] for r in results}}
+
+    # ------------------------------------------------------------------ checkpoints and recovery
+    def ping(self) -> bool:
+        return True
+
+    def ready(self) -> dict:
+        """Where the server runs (its process id: what a chaos test kills)."""
+        return {"pid": os.getpid()}
+
+    def export_state(self) -> dict:
+        return self.state
+
+    def load_state(self, state: dict) -> None:
+        self.state = state
+
+    def reset(self) -> None:
+        """Back to round 0: the initial global state (reproducible from the config alone)."""
+        self.state = self.method.init_server(self.fed.initial_model())
+
+
+def level_availability(profiles):
+    """Each level's availability (a numpy array indexed by tier), or None when every level that
+    has clients is always online (then nobody is drawn)."""
+    availability = np.array([p.get("availability", 1.0) for p in profiles.level_profiles], dtype=np.float64)
+    in_use = np.bincount(profiles.tiers, minlength=availability.size) > 0
+    return availability if (availability[in_use] < 1).any() else None
+
+
+def trace_by_round(trace: set[tuple[int, int]], num_clients: int) -> dict[int, list[int]]:
+    """Round -> the training clients an availability trace has online then (ascending)."""
+    by_round: dict[int, list[int]] = {}
+    for client, rnd in trace:
+        if 0 <= client < num_clients:
+            by_round.setdefault(rnd, []).append(client)
+    return {rnd: sorted(clients) for rnd, clients in by_round.items()}
+
+
+def _put(obj):
+    """Into the object store (hosts fetch it from there), or as is without Ray (InProcess)."""
+    import ray
+    return ray.put(obj) if ray.is_initialized() else obj
