@@ -55,10 +55,6 @@ class ScaffoldHparams(Hparams):
         return {"eta_g": Space.log(0.1, 1.0)}
 
 
-def param_names(model) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
 def control_update(c_i: dict, c: dict, x: dict, y: dict, steps: int, lr: float) -> dict:
     """Option II: c_i+ = c_i - c + (x - y) / (K eta_l)."""
     return {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c_i}

@@ -104,9 +104,6 @@ class Split:
         std = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
         return x01.sub_(mean).div_(std) if x01.is_contiguous() else (x01 - mean) / std
 
-    def class_counts(self, num_classes: int) -> np.ndarray:
-        return np.bincount(self.labels, minlength=num_classes)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={len(self)}, image_shape={self.image_shape})"
 

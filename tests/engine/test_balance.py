@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 
 from raysim.config import load_config
 from raysim.app.experiment import federation
-from raysim.engine.balance import ElsewherePlan, StealingPlan
+from raysim.engine.balance import StealingPlan
+from raysim.testing import ElsewherePlan
 
 TINY = {
     "method": "fedbn", "rounds": 3, "seed": 5, "clients_per_round": 4,

@@ -73,7 +73,7 @@ def test_a_round_in_cohorts_is_the_per_client_round(method, tmp_path, monkeypatc
 def test_cohorts_on_two_hosts_with_moved_records_and_post_train_evaluation(tmp_path, monkeypatch):
     """Every client trained on another host than its own (its record travels there and back) and
     scored as it left training (eval.point post_train): cohorts change nothing but rounding."""
-    from raysim.engine.balance import ElsewherePlan
+    from raysim.testing import ElsewherePlan
     sizes = []
 
     def spy(model, members, meter=False):

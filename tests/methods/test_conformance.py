@@ -23,7 +23,7 @@ from raysim.config import load_config
 from raysim.app.experiment import federation
 from raysim.methods import registry
 from raysim.engine.backend import InProcess
-from raysim.engine.balance import ElsewherePlan
+from raysim.testing import ElsewherePlan
 from raysim.engine.loop import Callback
 
 TINY = {
