@@ -9,36 +9,32 @@ one-line user error naming the operation and the model (:mod:`raysim.engine.dete
 """
 from __future__ import annotations
 
+from raysim.engine import cluster
+
 
 class RayActors:
-    """A Server actor and a pool of ClientHost actors in one placement group."""
+    """A Server actor and a pool of ClientHost actors in one placement group: the pool calls are
+    :mod:`raysim.engine.cluster`'s; this class adds the determinism error to ``get``."""
 
     model = "?"  # the federation's model (cfg.model.name), for the determinism error; set by launch_pool
 
+    await_pool = staticmethod(cluster.await_pool)
+    stop_pool = staticmethod(cluster.stop_pool)
+    alive = staticmethod(cluster.alive)
+
     def server(self, cfg):
         import ray
-        from raysim.engine.cluster import server_placement
         from raysim.engine.server import Server
         return ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
-                                          scheduling_strategy=server_placement()).remote(cfg)
+                                          scheduling_strategy=cluster.server_placement()).remote(cfg)
 
     def launch_pool(self, cfg, num_hosts: int):
-        from raysim.engine.cluster import launch_pool
         self.model = cfg.model.name
-        return launch_pool(cfg, num_hosts)
-
-    def await_pool(self, hosts, starts, num_clients: int, run_dir=None):
-        from raysim.engine.cluster import await_pool
-        return await_pool(hosts, starts, num_clients, run_dir=run_dir)
+        return cluster.launch_pool(cfg, num_hosts)
 
     def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
-        from raysim.engine.cluster import create_pool
         self.model = cfg.model.name
-        return create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
-
-    def stop_pool(self, hosts, pg, unawaited=()) -> None:
-        from raysim.engine.cluster import stop_pool
-        stop_pool(hosts, pg, unawaited)
+        return cluster.create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
 
     def kill(self, actor) -> None:
         import ray
@@ -47,10 +43,9 @@ class RayActors:
     def get(self, refs):
         import ray
 
-        from raysim.engine.cluster import ray_get
         from raysim.engine.determinism import nondeterministic_error
         try:
-            return ray_get(refs)
+            return cluster.ray_get(refs)
         except ray.exceptions.RayTaskError as err:
             user = nondeterministic_error(getattr(err, "cause", None), self.model)
             if user is None:
@@ -61,10 +56,6 @@ class RayActors:
         """(the refs done, the others) as soon as at least one is done."""
         import ray
         return ray.wait(refs, num_returns=1)
-
-    def alive(self, actor) -> bool:
-        from raysim.engine.cluster import alive
-        return alive(actor)
 
     def lost(self) -> tuple:
         """The exceptions that mean an actor (or an object it held) is gone."""
@@ -134,10 +125,9 @@ class InProcess(RayActors):
         return ready
 
     def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
-        from raysim.engine.cluster import owner_of
         hosts, starts, pg = self.launch_pool(cfg, num_hosts)
         self.await_pool(hosts, starts, num_clients, run_dir)
-        return hosts, owner_of(num_hosts), pg
+        return hosts, cluster.owner_of(num_hosts), pg
 
     def stop_pool(self, hosts, pg, unawaited=()) -> None:
         pass
