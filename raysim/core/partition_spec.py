@@ -25,9 +25,9 @@ class PartitionSpec:
     """The keys every kind takes."""
     kind: str = setting("per_domain", one_of=KINDS)
     domains: str | tuple[str, ...] | None = None  # a subset and order of the dataset's domains; null: all
-    # every client of a domain evaluates on the domain's full val/test; unset: true iff each domain
-    # has one client (an explicit null is refused, as the partition refuses it)
-    shared_test: bool = None
+    # every client of a domain evaluates on the domain's full val/test; null: true iff each domain
+    # has one client
+    shared_test: bool | None = None
     shuffle: bool = True  # false: consecutive slices in the split's own order (FedBN's train_part0)
     holdout: str | None = None  # leave-one-domain-out: this domain's clients never train
     target_test: str = setting("all", one_of=("all", "test"))  # the held-out client's test set

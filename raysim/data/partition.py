@@ -484,6 +484,9 @@ def make_partition(ds, spec: dict | None, seed: int) -> Partition:
     unknown = set(spec) - _KEYS[kind]
     if unknown:
         raise UserError(f"partition: unknown key(s) {sorted(unknown)} for kind {kind}; valid: {sorted(_KEYS[kind])}")
+    for key in ("shared_test", "num_clients"):  # null: not given, as in the typed spec (partition_spec)
+        if key in spec and spec[key] is None:
+            del spec[key]
     if "shared_test" in spec and not isinstance(spec["shared_test"], bool):
         raise UserError(f"partition: shared_test={spec['shared_test']!r}: expected true or false")
     doms = _domains(ds, spec)
