@@ -198,8 +198,10 @@ class ExperimentConfig:
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
-    # the published numbers of the paper table the config reproduces: {source, dataset, metrics:
-    # {AVG: {method: [mean, std]}, ...}}; never used by a run, shown beside its results
+    # REPORT-ONLY: the published numbers of the paper table the config reproduces: {source, dataset,
+    # metrics: {AVG: {method: [mean, std]}, ...}}. No run reads it (nothing in raysim.engine does; a
+    # checkpoint's fingerprint and the tracked params leave it out); it is written to the run folder's
+    # config.yaml, from which `raysim report` and `raysim compare` show it beside the results
     paper: dict = field(default_factory=dict)
 
     def method_names(self) -> list[str]:
