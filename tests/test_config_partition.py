@@ -20,10 +20,10 @@ from raysim.engine.datashards import fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the fewest keys each kind needs
+# the fewest keys each kind needs (dirichlet: with clients enough for its defaults to matter)
 MINIMAL = {
     "per_domain": {"kind": "per_domain"},
-    "dirichlet": {"kind": "dirichlet", "alpha": 1},
+    "dirichlet": {"kind": "dirichlet", "alpha": 1, "clients_per_domain": 4},
     "cross_device": {"kind": "cross_device", "num_clients": 12},
 }
 
