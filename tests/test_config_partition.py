@@ -133,5 +133,6 @@ def test_no_engine_module_reads_the_report_only_paper_section():
         if name.endswith(".py"):
             with open(os.path.join(engine, name), encoding="utf-8") as fh:
                 tree = ast.parse(fh.read())
-            readers += [f"{name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "paper"]
+            readers += [f"{name}:{n.lineno}" for n in ast.walk(tree)
+                        if isinstance(n, ast.Attribute) and n.attr == "paper"]
     assert readers == []
