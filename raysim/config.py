@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from raysim.core.errors import UserError
+from raysim.core.partition_spec import partition_spec
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
@@ -27,10 +28,18 @@ class DataConfig:
     dataset: str = "digits5"
     root: str | None = None  # folder of a real dataset on disk; None for generated benchmarks
     options: dict = field(default_factory=dict)  # passed to the dataset loader (image_size, ...)
+    # how the clients split the data: {kind: per_domain | dirichlet | cross_device, ...}, typed per
+    # kind by raysim.core.partition_spec; kept as the mapping written (config.yaml, shard fingerprints)
     partition: dict = field(default_factory=lambda: {"kind": "per_domain"})
     # pre-written Parquet shards of this partition (a path or a pyarrow.fs URI: file://, s3://,
     # gs://), written by `raysim data shard CONFIG URI`; each host then reads only its clients' data
     shards: str | None = None
+
+    def __post_init__(self):
+        """The partition's keys and values are checked as the section is built, by its kind's
+        dataclass (a ``per_method`` override's too); what needs the dataset is checked when the
+        partition is built."""
+        partition_spec(self.partition, "data.partition")
 
 
 @dataclass
@@ -189,8 +198,10 @@ class ExperimentConfig:
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
-    # the published numbers of the paper table the config reproduces: {source, dataset, metrics:
-    # {AVG: {method: [mean, std]}, ...}}; never used by a run, shown beside its results
+    # REPORT-ONLY: the published numbers of the paper table the config reproduces: {source, dataset,
+    # metrics: {AVG: {method: [mean, std]}, ...}}. No run reads it (nothing in raysim.engine does; a
+    # checkpoint's fingerprint and the tracked params leave it out); it is written to the run folder's
+    # config.yaml, from which `raysim report` and `raysim compare` show it beside the results
     paper: dict = field(default_factory=dict)
 
     def method_names(self) -> list[str]:
@@ -355,8 +366,6 @@ def validate(cfg: ExperimentConfig) -> None:
     need(not cfg.paper or isinstance(cfg.paper.get("metrics", {}), dict) and all(
         isinstance(v, dict) for v in cfg.paper.get("metrics", {}).values()),
          "config key 'paper.metrics' must map a metric (AVG, ALL, ...) to {method: [mean, std]}")
-    need(isinstance(cfg.data.partition, dict) and "kind" in cfg.data.partition,
-         "config key 'data.partition' must be a mapping with a 'kind' (e.g. per_domain)")
     t = cfg.tracking
     need(t.mlflow_uri is None or t.mlflow_uri.strip() != "",
          "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")

@@ -9,7 +9,9 @@ Shards are computed on demand from per-domain plans (a permutation plus slice
 boundaries, or per-client draws), so a 100,000-client cross-device partition costs a few
 arrays per domain, not 100,000 shards.
 
-Spec keys (all kinds): ``kind``, ``domains`` (subset/order), ``shared_test`` (every client
+The keys are declared, typed and checked by kind in ``raysim.core.partition_spec`` (a config's
+``data.partition`` is checked there when it is loaded); here they are read, and checked against
+the dataset. Spec keys (all kinds): ``kind``, ``domains`` (subset/order), ``shared_test`` (every client
 of a domain evaluates on the domain's full val/test; default: true iff each domain has one
 client, else each client gets a disjoint slice of val/test proportional to its train
 share), ``shuffle`` (default true; false takes consecutive slices of the split's own order,
@@ -39,14 +41,11 @@ import numpy as np
 
 from raysim.data.splits import ALL, SPLITS
 from raysim.core.errors import UserError
+from raysim.core.partition_spec import HOLDOUT_KEYS, KINDS, keys
 
-KINDS = ("per_domain", "dirichlet", "cross_device")
-_COMMON = {"kind", "domains", "shared_test", "shuffle"}
-_KEYS = {
-    "per_domain": _COMMON | {"clients_per_domain", "fraction", "train_size", "num_clients", "assign"},
-    "dirichlet": _COMMON | {"clients_per_domain", "alpha", "min_size", "balance", "max_tries"},
-    "cross_device": _COMMON | {"num_clients", "spread", "samples_per_client", "overlap"},
-}
+# the keys a spec given to make_partition may hold: its kind's, less the held-out domain's (taken
+# off the config's partition before the federation builds it; see leave_one_domain_out)
+_KEYS = {kind: keys(kind) - HOLDOUT_KEYS for kind in KINDS}
 
 
 @dataclass(frozen=True, eq=False)
@@ -485,6 +484,9 @@ def make_partition(ds, spec: dict | None, seed: int) -> Partition:
     unknown = set(spec) - _KEYS[kind]
     if unknown:
         raise UserError(f"partition: unknown key(s) {sorted(unknown)} for kind {kind}; valid: {sorted(_KEYS[kind])}")
+    for key in ("shared_test", "num_clients"):  # null: not given, as in the typed spec (partition_spec)
+        if key in spec and spec[key] is None:
+            del spec[key]
     if "shared_test" in spec and not isinstance(spec["shared_test"], bool):
         raise UserError(f"partition: shared_test={spec['shared_test']!r}: expected true or false")
     doms = _domains(ds, spec)
