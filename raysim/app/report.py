@@ -156,13 +156,14 @@ def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
 # ----------------------------------------------------------------------------- render
 
 def method_section(folder: str, metrics: pd.DataFrame) -> str:
-    """What the method itself adds to the summary (its ``report_markdown`` hook)."""
+    """What the method itself adds to the summary: its ``report_markdown(config, metrics)`` hook,
+    given the federation's config and metrics as :mod:`raysim.app.rundir` reads them."""
     from raysim.methods import registry
     try:
         cls = registry.get(rundir.method_of(folder))
     except UserError:  # a folder named after no method of this build
         return ""
-    text = cls.report_markdown(folder)
+    text = cls.report_markdown(rundir.read_config(folder), metrics)
     return f"\n{text.rstrip()}\n" if text else ""
 
 
