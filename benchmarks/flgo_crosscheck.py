@@ -319,14 +319,15 @@ def flgo_results(out: str, methods: list[str], seeds: list[int]) -> dict:
 
 def raysim_results(run_dir: str | None, methods: list[str], seeds: list[int]) -> tuple[dict, list[str]]:
     """{method: {seed: {"final_round": r, "final": {domain: acc, "AVG": acc}}}} and notes on what is missing."""
-    from raysim.app import report
+    from raysim.app import rundir
+    from raysim.app.tables import summarize
     notes, res = [], {}
     if not run_dir:
         return res, ["no --raysim-run given: raysim columns left empty"]
     if not os.path.isdir(run_dir):
         return res, [f"raysim run directory {run_dir} does not exist (yet): raysim columns left empty"]
     try:
-        mdirs = report.method_dirs(run_dir)
+        mdirs = rundir.method_dirs(run_dir)
     except Exception as err:  # noqa: BLE001
         return res, [f"cannot read {run_dir}: {err}"]
     for m in methods:
@@ -334,7 +335,7 @@ def raysim_results(run_dir: str | None, methods: list[str], seeds: list[int]) ->
         if d is None:
             notes.append(f"{run_dir}: no {base_method(m)}")
             continue
-        sdirs = report.seed_dirs(d)
+        sdirs = rundir.seed_dirs(d)
         for s in seeds:
             sd = sdirs.get(s)
             path = os.path.join(sd, "metrics.parquet") if sd else os.path.join(d, f"seed-{s}", "metrics.parquet")
@@ -342,7 +343,7 @@ def raysim_results(run_dir: str | None, methods: list[str], seeds: list[int]) ->
                 notes.append(f"{path}: absent")
                 continue
             try:
-                summary = report.summarize(report._read(sd), base_method(m), rule="final")
+                summary = summarize(rundir.read_metrics(sd), base_method(m), rule="final")
             except Exception as err:  # noqa: BLE001
                 notes.append(f"{path}: unreadable ({str(err).splitlines()[0]})")
                 continue

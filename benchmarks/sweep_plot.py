@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from raysim.app.compare import load  # noqa: E402
-from raysim.app.report import save_figure  # noqa: E402
+from raysim.app.plots import save_figure  # noqa: E402
 
 
 def main(argv=None) -> int:

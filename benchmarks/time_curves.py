@@ -12,7 +12,7 @@ import os
 
 import pandas as pd
 
-from raysim.app.report import _clock, plot_time_curves
+from raysim.app.plots import plot_time_curves, sim_clock
 
 
 def load(run_dir: str) -> pd.DataFrame:
@@ -20,7 +20,7 @@ def load(run_dir: str) -> pd.DataFrame:
 
 
 def avg_over_time(df: pd.DataFrame) -> pd.DataFrame:
-    clock = _clock(df)
+    clock = sim_clock(df)
     acc = df[(df.client == -1) & (df.split == "test") & (df.domain == "AVG") & (df.metric == "accuracy")]
     acc = acc.sort_values("round")
     return pd.DataFrame({"round": acc["round"].values, "seconds": clock.reindex(acc["round"].values).values,

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from raysim.core.aggregation import update_bank
@@ -188,15 +187,11 @@ class CCST(Method):
         return {"style_bank_clients": float(len(state["styles"]))} if state["styles"] else {}
 
     @classmethod
-    def report_markdown(cls, run_dir: str) -> str:
-        variant = "image"
-        for d in (run_dir, os.path.join(run_dir, cls.name)):
-            try:
-                with open(os.path.join(d, "config.yaml"), encoding="utf-8") as fh:
-                    variant = (((yaml.safe_load(fh) or {}).get("hp") or {}).get("ccst") or {}).get("variant", variant)
-                break
-            except (OSError, yaml.YAMLError):
-                continue
+    def report_markdown(cls, config, metrics) -> str:
+        # the value as configured, unchecked: summary.md names the variant that ran even where
+        # the feature variant's weight files are not on this machine
+        hp = (config.hp.get(cls.name) if config is not None else None) or {}
+        variant = hp.get("variant", "image")
         what = ("image-level AdaIN on per-channel pixel statistics (offline variant, no VGG encoder/decoder)"
                 if variant == "image" else
                 "feature-level AdaIN with the user's VGG-19 encoder and decoder (the paper's)")

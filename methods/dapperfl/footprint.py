@@ -3,13 +3,16 @@ keeps, measured, beside the paper's nominal (1 - rho) x dense; the summary.md se
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
-import yaml
 from torch import nn
 
 from raysim.core.errors import UserError
 from raysim.methods.dapperfl.masks import apply_masks, prune_masks
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # rho of capability tiers C_1..C_5 (Sec. 4.2)
 
@@ -77,20 +80,15 @@ def format_footprint(rows: list[dict], label: str = "") -> str:
     return "\n".join(lines)
 
 
-def footprint_from_run(run_dir: str, show: bool = True, scheme: str = "filters") -> list[dict]:
-    """The footprint table of a finished run, from the per-client metrics its clients reported
-    (``run_dir`` is a DapperFL run or a comparison holding a ``dapperfl/`` folder): one row per tier,
-    at the run's own input size, with the clients of the tier and their domains."""
-    from raysim.engine.metrics import read
-    for d in (run_dir, os.path.join(run_dir, "dapperfl")):
-        if os.path.isfile(os.path.join(d, "metrics.parquet")):
-            break
-    else:
-        raise UserError(f"no DapperFL metrics.parquet in {run_dir} or {os.path.join(run_dir, 'dapperfl')}")
-    df = read(os.path.join(d, "metrics.parquet"))
-    df = df[(df.split == "train") & (df.client >= 0)]
+def footprint_from_run(metrics: pd.DataFrame, config=None, *, show: bool = True, scheme: str = "filters") -> list[dict]:
+    """The footprint table of a run, from the per-client metrics its clients reported (``metrics``:
+    a DapperFL federation's metrics in raysim's long format, as ``raysim.app.rundir.read_metrics``
+    reads them; ``config``: its ExperimentConfig, for the label): one row per tier, at the run's own
+    input size, with the clients of the tier and their domains. UserError without footprint rows."""
+    df = metrics[(metrics.split == "train") & (metrics.client >= 0)]
     if "kept_params" not in set(df.metric):
-        raise UserError(f"{d} holds no footprint metrics (not a DapperFL run?)")
+        raise UserError("the metrics hold no DapperFL footprint (kept_params): not a DapperFL run, or nothing "
+                        "trained yet")
     round_ = int(df["round"].max())
     last = df[df["round"] == round_]
     wide = last.pivot_table(index="client", columns="metric", values="value", aggfunc="first")
@@ -106,45 +104,36 @@ def footprint_from_run(run_dir: str, show: bool = True, scheme: str = "filters")
                      "params_frac": float(f["kept_params"] / f["params"]),
                      "flops_frac": float(f["flops"] / f["flops_dense"])})
     if show:
-        print(format_footprint(rows, _run_label(d, round_, scheme)))
+        print(format_footprint(rows, run_label(config, round_, scheme)))
         for r in rows:
             print(f"  {r['tier']}: clients {r['clients']}")
     return rows
 
 
-def run_hparams(run_dir: str) -> dict:
-    """``hp.dapperfl`` of the run's config ({} without one)."""
-    for d in (run_dir, os.path.join(run_dir, "dapperfl")):
-        if os.path.isfile(os.path.join(d, "config.yaml")):
-            with open(os.path.join(d, "config.yaml"), encoding="utf-8") as fh:
-                return ((yaml.safe_load(fh) or {}).get("hp") or {}).get("dapperfl") or {}
-    return {}
-
-
-def summary_section(run_dir: str, hp) -> str:
+def summary_section(config, metrics: pd.DataFrame, hp) -> str:
     """What a DapperFL run's summary.md ends with: the footprint its clients measured per tier,
-    and which BN statistics it uploaded ("" before anything trained). ``hp``: the run's Hparams."""
+    and which BN statistics it uploaded ("" before anything trained). ``config``, ``metrics``: the
+    federation's (see ``Method.report_markdown``); ``hp``: its Hparams."""
     try:
-        rows = footprint_from_run(run_dir, show=False)
+        rows = footprint_from_run(metrics, config, show=False)
     except UserError:  # nothing trained yet
         return ""
     note = (f"BN statistics of the upload: `bn_stats: {hp.bn_stats}`"
             + (" (re-estimated on the client's Eq.-6-recovered dense model: one extra dense forward pass over "
                "D_i per round, counted in the table)" if hp.bn_stats == "recovered" else
                " (those the pruned epochs leave: the paper's literal reading)"))
-    label = _run_label(run_dir, rows[0]["round"], hp.use_prune_scheme)
+    label = run_label(config, rows[0]["round"], hp.use_prune_scheme)
     return footprint_markdown(rows, label) + "\n" + note + "\n"
 
 
-def _run_label(run_dir: str, round: int, scheme: str) -> str:
-    cfg_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(cfg_path):
-        return run_dir
-    with open(cfg_path, encoding="utf-8") as fh:
-        cfg = yaml.safe_load(fh) or {}
-    model = (cfg.get("model") or {}).get("name", "?")
-    size = ((cfg.get("data") or {}).get("options") or {}).get("image_size")
-    return f"{model}{f' at {size} px' if size else ''}, {scheme} masks, measured by the clients (round {round})"
+def run_label(config, round: int, scheme: str) -> str:
+    """``resnet10 at 32 px, filters masks, measured by the clients (round 5)``: the model and input
+    size from the run's config (left out without one)."""
+    what = f"{scheme} masks, measured by the clients (round {round})"
+    if config is None:
+        return what
+    size = config.data.options.get("image_size")
+    return f"{config.model.name}{f' at {size} px' if size else ''}, {what}"
 
 
 def footprint_markdown(rows: list[dict], label: str) -> str:
@@ -173,12 +162,9 @@ def footprint_markdown(rows: list[dict], label: str) -> str:
 
 if __name__ == "__main__":
     # python -m raysim.methods.dapperfl.footprint [resnet10|resnet18] [input_size]   the per-tier table of a model
-    # python -m raysim.methods.dapperfl.footprint RUN_DIR                            what a run's clients measured
     import sys
-    if len(sys.argv) > 1 and os.path.isdir(sys.argv[1]):
-        from raysim.methods.dapperfl.method import DapperFLHparams
-        footprint_from_run(sys.argv[1], scheme=DapperFLHparams.from_dict(run_hparams(sys.argv[1])).use_prune_scheme)
-        sys.exit(0)
+    if len(sys.argv) > 1 and os.path.isdir(sys.argv[1]):  # a method reads no run folder: the app does
+        sys.exit(f"the footprint a run's clients measured ends its summary.md: raysim report {sys.argv[1]}")
     name = sys.argv[1] if len(sys.argv) > 1 else "resnet10"
     size = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     footprint_table(name, input_size=size)

@@ -84,7 +84,7 @@ from raysim.core.aggregation import KeepAll, weighted_mean
 from raysim.core.contract import ClientContext, Method, Upload, client_weight
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
-from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, run_hparams, summary_section
+from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, summary_section
 from raysim.methods.dapperfl.masks import apply_masks, prune_masks
 from raysim.core.tiers import level_tiers
 from raysim.core.settings import setting
@@ -365,9 +365,10 @@ class DapperFL(Method):
         return measure_footprint(model, rho, tuple(model.input_shape), masks)
 
     @classmethod
-    def report_markdown(cls, run_dir: str) -> str:
+    def report_markdown(cls, config, metrics) -> str:
         """summary.md: the footprint each tier's clients measured (Tables 5-6); see footprint.py."""
-        return summary_section(run_dir, cls.Hparams.from_dict(run_hparams(run_dir)))
+        hp = cls.hparams_from(config.hp.get(cls.name) if config is not None else None)
+        return summary_section(config, metrics, hp)
 
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:

@@ -10,7 +10,8 @@ import sys
 import typing
 
 from raysim.core.errors import UserError
-from raysim.app.report import markdown_table
+from raysim.app.rundir import read_yaml_dict
+from raysim.app.tables import markdown_table
 
 # One line on what a method sends to the server and what stays on the client. The registry is the
 # list of methods; a method missing here is described from its hooks (``_derived_line``).
@@ -40,7 +41,6 @@ def _config_root() -> str:
 
 def configs_by_method(root: str | None = None) -> dict[str, list[str]]:
     """{method: [config paths relative to the repository]} from every readable YAML under configs/."""
-    import yaml
     root = root or _config_root()
     base = os.path.dirname(root)
     found: dict[str, list[str]] = {}
@@ -50,13 +50,7 @@ def configs_by_method(root: str | None = None) -> dict[str, list[str]]:
             if not fn.endswith((".yaml", ".yml")):
                 continue
             path = os.path.join(dirpath, fn)
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    raw = yaml.safe_load(fh)
-            except (OSError, yaml.YAMLError, UnicodeDecodeError):
-                continue
-            if not isinstance(raw, dict):
-                continue
+            raw = read_yaml_dict(path)  # {} for a file that does not read as a mapping: skipped
             listed = []
             if isinstance(raw.get("method"), str):
                 listed.append(raw["method"])

@@ -1,15 +1,16 @@
 """``raysim compare RUN_DIR...``: one table across any set of run directories.
 
-A run directory is what ``raysim run`` writes (see :mod:`raysim.app.report`): one federation
+A run directory is what ``raysim run`` writes (listed back by :mod:`raysim.app.rundir`): one federation
 (``metrics.parquet``), or ``[<method>/][seed-<s>/][holdout-<domain>/]metrics.parquet``. Every
-federation is reduced by :func:`raysim.app.report.summarize` at the round its own config's
+federation is reduced by :func:`raysim.app.tables.summarize` at the round its own config's
 ``eval.select`` picks, exactly as ``summary.md`` does; cells are test accuracy (%), mean ± std
 (ddof 1) when seeds repeat. Rows are methods (``--by method``; a method found in several run
 directories is labelled with its run, ``fdse (abl_local)``), or (method, seed) with ``--by seed``.
 Leave-one-domain-out runs get one column per held-out domain (accuracy on it, ``ALL``) and their
 mean, Avg; ``--by holdout`` shows only such runs. Where a run's config has a ``paper:`` section
 (``{source, dataset, metrics: {AVG: {method: [mean, std]}, ...}}``) the published AVG (and ALL)
-stand beside ours with the difference, Δ = ours − paper, in points.
+stand beside ours with the difference, Δ = ours − paper, in points; summary.md ends with the same
+table (:func:`beside_paper`).
 
 ``--out DIR`` writes compare.md, compare.csv and compare.png (test AVG against rounds, one line per
 row, a ± std band over seeds); the Markdown is printed either way.
@@ -23,9 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from raysim.app.plots import save_figure
+from raysim.app.rundir import config_dict, holdout_dirs, method_dirs, read_metrics, seed_dirs
+from raysim.app.tables import AGGREGATES, SELECT_LABELS, Summary, markdown_table, pct, select_rule, summarize
 from raysim.core.errors import UserError
-from raysim.app.report import (AGGREGATES, SELECT_LABELS, Summary, _config, _holdout_dirs, _pct, _read, _select_rule,
-                           markdown_table, method_dirs, save_figure, seed_dirs, summarize)
+from raysim.core.files import write_atomically, write_text
 
 
 @dataclass
@@ -43,7 +46,7 @@ class Entry:
 def _paper(run_dir: str, method_dir: str) -> dict:
     """The ``paper:`` section of the run's config.yaml, else of the method's first federation."""
     for d in (run_dir, method_dir, *seed_dirs(method_dir).values()):
-        paper = _config(d).get("paper")
+        paper = config_dict(d).get("paper")
         if isinstance(paper, dict) and paper.get("metrics"):
             return paper
     return {}
@@ -60,19 +63,19 @@ def load(run_dir: str) -> list[Entry]:
     entries = []
     for name, d in dirs.items():
         seeds = seed_dirs(d)
-        lodo = any(_holdout_dirs(sd) for sd in seeds.values())
+        lodo = any(holdout_dirs(sd) for sd in seeds.values())
         e = Entry(run_dir, name, lodo, paper=_paper(run_dir, d))
         for seed, sd in seeds.items():
-            holdouts = _holdout_dirs(sd)
+            holdouts = holdout_dirs(sd)
             if lodo:
-                e.frames[seed] = {dom: _read(hd) for dom, hd in holdouts.items()}
-                e.summaries[seed] = {dom: summarize(df, name, _select_rule(hd))
+                e.frames[seed] = {dom: read_metrics(hd) for dom, hd in holdouts.items()}
+                e.summaries[seed] = {dom: summarize(df, name, select_rule(hd))
                                      for (dom, hd), df in zip(holdouts.items(), e.frames[seed].values())}
             else:
                 if not os.path.isfile(os.path.join(sd, "metrics.parquet")):
                     raise UserError(f"no metrics.parquet in {sd}")
-                e.frames[seed] = _read(sd)
-                e.summaries[seed] = summarize(e.frames[seed], name, _select_rule(sd))
+                e.frames[seed] = read_metrics(sd)
+                e.summaries[seed] = summarize(e.frames[seed], name, select_rule(sd))
         entries.append(e)
     return entries
 
@@ -178,7 +181,7 @@ def _table(rows: list[Row], lodo: bool) -> tuple[str, pd.DataFrame, list[str]]:
     header += ["seeds", "selected round"]
     md_rows, csv_rows = [], []
     for r in rows:
-        cells = [r.label] + [_pct(r.values.get(c, [None] * len(r.seeds))) for c in cols]
+        cells = [r.label] + [pct(r.values.get(c, [None] * len(r.seeds))) for c in cols]
         rec = {"row": r.label, "method": r.entry.method, "run": r.entry.run_dir,
                "seeds": ";".join("" if s is None else str(s) for s in r.seeds), "n_seeds": len(r.seeds)}
         for c in cols:
@@ -241,6 +244,19 @@ def compare_markdown(entries: list[Entry], by: str = "method") -> tuple[str, pd.
     return "\n".join(out) + "\n", pd.concat(frames, ignore_index=True), rows
 
 
+def beside_paper(run_dir: str) -> str:
+    """summary.md's section: the published numbers of the config's ``paper:`` section beside ours,
+    as ``raysim compare`` shows them (Δ = ours − paper); "" without a ``paper:`` section."""
+    paper = config_dict(run_dir).get("paper")
+    if not (isinstance(paper, dict) and paper.get("metrics")):
+        return ""
+    entries = load(run_dir)
+    label_entries(entries)
+    md = compare_markdown(entries)[0]
+    body = [ln for ln in md.splitlines() if not ln.startswith(("# Comparison", "Runs: "))]
+    return "\n## Beside the published numbers\n\n" + "\n".join(body).strip() + "\n"
+
+
 # ----------------------------------------------------------------------------- curves
 
 def _avg_curve(e: Entry, seed) -> pd.Series | None:
@@ -297,9 +313,8 @@ def compare(run_dirs: list[str], by: str = "method", out: str | None = None) -> 
             os.makedirs(out, exist_ok=True)
         except OSError as err:
             raise UserError(f"cannot create --out folder {out}: {err.strerror or err}") from None
-        with open(os.path.join(out, "compare.md"), "w", encoding="utf-8") as fh:
-            fh.write(text)
-        frame.to_csv(os.path.join(out, "compare.csv"), index=False)
+        write_text(os.path.join(out, "compare.md"), text)
+        write_atomically(os.path.join(out, "compare.csv"), lambda tmp: frame.to_csv(tmp, index=False))
         plot_compare(rows, os.path.join(out, "compare.png"))
         text += f"\nwritten: {os.path.join(out, 'compare.md')}, compare.csv, compare.png\n"
     return text

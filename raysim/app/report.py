@@ -12,178 +12,20 @@ one listed: the mean of the per-seed differences, how many seeds it wins and a p
 """
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from raysim.app import rundir
+from raysim.app.compare import beside_paper
+from raysim.app.plots import plot_curves, plot_time_curves, sim_clock
+from raysim.app.tables import SELECT_LABELS, Summary, markdown_table, pct, select_rule, summarize
 from raysim.core.errors import UserError
-from raysim.engine.metrics import COLUMNS, SCHEMA
-from raysim.core.files import writing
-
-AGGREGATES = ("AVG", "ALL", "AVG_clients", "AVG_weighted")
-SELECT_LABELS = {
-    "val": "best validation AVG",
-    "val_weighted": "best train-size-weighted mean of the clients' validation accuracies (FDSE's code)",
-    "test": "best test AVG, which peeks at the test split (the selection DapperFL reports)",
-    "final": "the final round",
-}
+from raysim.core.files import write_text
 
 
-@dataclass
-class Summary:
-    """One federation's evaluated rounds, reduced to the rounds a table shows."""
-    method: str
-    domains: list[str]
-    rule: str  # eval.select actually applied ("final" when there is no validation split)
-    selected_round: int
-    selected: dict[str, float]  # domain/AVG/ALL/AVG_clients -> test accuracy at the selected round
-    final_round: int
-    final: dict[str, float]
-    peek_round: int  # the round with the best test AVG (optimistic: it peeks at the test split)
-    peek: dict[str, float]
-    unadapted: dict[str, float] | None = None  # an unseen client before adaptation, selected round
-
-
-def summarize(df: pd.DataFrame, method: str = "", rule: str = "val") -> Summary:
-    glob = df[(df.client == -1) & (df.metric == "accuracy")]
-    test = glob[glob.split == "test"]
-    if test.empty:
-        raise UserError("metrics hold no test accuracy rows (was anything evaluated?)")
-    domains = [d for d in dict.fromkeys(test.domain) if d not in AGGREGATES]
-    final_round = int(test["round"].max())
-
-    def best(split: str, domain: str) -> int | None:
-        rows = glob[(glob.split == split) & (glob.domain == domain)]
-        if rows.empty:
-            return None  # earliest round among ties
-        return int(rows.sort_values(["value", "round"], ascending=[False, True]).iloc[0]["round"])
-
-    def at(rnd: int, split: str = "test") -> dict[str, float]:
-        rows = glob[(glob.split == split) & (glob["round"] == rnd)]
-        return {d: float(v) for d, v in zip(rows.domain, rows.value)}
-
-    picks = {"val": lambda: best("val", "AVG"), "val_weighted": lambda: best("val", "AVG_weighted"),
-             "test": lambda: best("test", "AVG"), "final": lambda: final_round}
-    selected_round = picks[rule]()
-    if selected_round is None:
-        rule, selected_round = "final", final_round
-    peek_round = best("test", "AVG")
-    unadapted = at(selected_round, "test_unadapted") or None
-    return Summary(method, domains, rule, selected_round, at(selected_round), final_round, at(final_round),
-                   peek_round, at(peek_round), unadapted)
-
-
-# ----------------------------------------------------------------------------- the run's layout
-
-def method_dirs(run_dir: str) -> dict[str, str]:
-    """{method: its folder} for a single run or a comparison."""
-    if _is_run(run_dir):
-        return {_method_of(run_dir): run_dir}
-    found = {}
-    if os.path.isdir(run_dir):
-        for name in sorted(os.listdir(run_dir)):
-            if _is_run(os.path.join(run_dir, name)):
-                found[name] = os.path.join(run_dir, name)
-    listed = _config(run_dir).get("methods") or []  # the config's order: the first is the reference
-    order = [m for m in listed if m in found] + [m for m in found if m not in listed]
-    return {m: found[m] for m in order}
-
-
-def _subdirs(d: str, prefix: str) -> dict[str, str]:
-    if not os.path.isdir(d):
-        return {}
-    return {n[len(prefix):]: os.path.join(d, n) for n in sorted(os.listdir(d))
-            if n.startswith(prefix) and os.path.isdir(os.path.join(d, n))}
-
-
-def _holdout_dirs(d: str) -> dict[str, str]:
-    return {k: v for k, v in _subdirs(d, "holdout-").items() if os.path.isfile(os.path.join(v, "metrics.parquet"))}
-
-
-def seed_dirs(d: str) -> dict[int | None, str]:
-    """{seed: folder} of a method's folder; {None: d} when it ran one seed."""
-    found = {}
-    for key, path in _subdirs(d, "seed-").items():
-        if key.isdigit() and (os.path.isfile(os.path.join(path, "metrics.parquet")) or _holdout_dirs(path)):
-            found[int(key)] = path
-    return dict(sorted(found.items())) or {None: d}
-
-
-def _is_run(d: str) -> bool:
-    if os.path.isfile(os.path.join(d, "metrics.parquet")) or _holdout_dirs(d):
-        return True
-    return None not in seed_dirs(d)
-
-
-def _config(run_dir: str) -> dict:
-    import yaml
-    try:
-        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh)
-    except (OSError, yaml.YAMLError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
-def _method_of(run_dir: str) -> str:
-    raw = _config(run_dir)
-    return raw.get("method") or (raw.get("methods") or [None])[0] or os.path.basename(os.path.normpath(run_dir))
-
-
-def _select_rule(run_dir: str) -> str:
-    rule = (_config(run_dir).get("eval") or {}).get("select", "val")
-    return rule if rule in SELECT_LABELS else "val"
-
-
-def _read(d: str) -> pd.DataFrame:
-    """A federation's metrics.parquet; a damaged file or one that is not raysim's long format
-    (a column missing or of another type) is one UserError line."""
-    import pyarrow.parquet as pq
-
-    path = os.path.join(d, "metrics.parquet")
-    try:
-        table = pq.read_table(path)
-    except Exception as err:  # a corrupted or truncated file
-        raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
-    missing = [c for c in COLUMNS if c not in table.column_names]
-    if missing:
-        raise UserError(f"{path} is not a raysim metrics file: it lacks the column(s) {', '.join(missing)} "
-                        f"(expected {', '.join(COLUMNS)})")
-    try:
-        return table.select(list(COLUMNS)).cast(SCHEMA).to_pandas()
-    except Exception as err:  # e.g. value stored as text
-        raise UserError(f"{path} is not a raysim metrics file: its columns do not convert to "
-                        f"{SCHEMA.to_string().replace(chr(10), ', ')} ({str(err).splitlines()[0]})") from None
-
-
-# ----------------------------------------------------------------------------- numbers -> cells
-
-def _pct(values: list[float]) -> str:
-    """One cell: a percentage, or mean ± std over seeds."""
-    vals = [100 * v for v in values if v is not None and not math.isnan(v)]
-    if not vals or len(vals) < len(values):
-        return "–"
-    if len(vals) == 1:
-        return f"{vals[0]:.2f}"
-    return f"{np.mean(vals):.2f} ± {np.std(vals, ddof=1):.2f}"
-
-
-def _cell(value) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table (pandas' ``to_markdown``, through tabulate); cells are kept as written."""
-    return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False, disable_numparse=True)
-
-
-def _table(rows: dict[str, dict[str, list]], cols: list[str], first: str = "method") -> list[str]:
-    return markdown_table([first] + cols, [[name] + [_pct(per_col.get(c, [None])) for c in cols]
-                                           for name, per_col in rows.items()]).splitlines()
-
+# ----------------------------------------------------------------------------- statistics
 
 def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") -> list[str]:
     """Each method against the first: mean of the per-seed differences (points), seeds won, and
@@ -207,6 +49,11 @@ def paired_comparison(values: dict[str, dict[int, float]], metric: str = "AVG") 
 
 
 # ----------------------------------------------------------------------------- tables
+
+def _table(rows: dict[str, dict[str, list]], cols: list[str], first: str = "method") -> list[str]:
+    return markdown_table([first] + cols, [[name] + [pct(per_col.get(c, [None])) for c in cols]
+                                           for name, per_col in rows.items()]).splitlines()
+
 
 def _rule_line(summaries: list[Summary]) -> str:
     rules = list(dict.fromkeys(s.rule for s in summaries))
@@ -256,7 +103,7 @@ def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
         avg = {name: {k: s.selected["AVG"] for k, s in per.items()} for name, per in runs.items()}
         out += ["", "## AVG per seed (selected round)", ""]
         out += markdown_table(["method"] + [f"seed {k}" for k in seeds],
-                              [[name] + [_pct([avg[name].get(k)]) for k in seeds] for name in runs]).splitlines()
+                              [[name] + [pct([avg[name].get(k)]) for k in seeds] for name in runs]).splitlines()
         if len(runs) > 1:
             out += ["", f"## Paired comparison with {next(iter(runs))} (AVG at the selected round)", ""]
             out += paired_comparison(avg)
@@ -305,103 +152,18 @@ def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
     return "\n".join(out)
 
 
-# ----------------------------------------------------------------------------- curves
-
-def plot_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
-    """One panel per federation (method, held-out domain): test accuracy per domain, AVG thick;
-    over several seeds the mean, with a ± std band around AVG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(panels)
-    cols = min(n, 4)
-    nrows = -(-n // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False, sharey=True)
-    flat = axes.ravel()
-    for ax in flat[n:]:
-        ax.axis("off")
-    for ax, (name, frames) in zip(flat, panels.items()):
-        rows = pd.concat([df[(df.client == -1) & (df.metric == "accuracy") & (df.split == "test")
-                             & ~df.domain.isin(("AVG_clients", "AVG_weighted"))].assign(seed=i)
-                          for i, df in enumerate(frames)])
-        for dom, g in rows.groupby("domain", sort=False):
-            by_round = g.groupby("round")["value"]
-            mean = 100 * by_round.mean()
-            style = {"linewidth": 1.2}
-            if dom == "AVG":
-                style = {"linewidth": 2.5, "color": "black"}
-            elif dom == "ALL":
-                style = {"linewidth": 1.5, "color": "gray", "linestyle": "--"}
-            ax.plot(mean.index, mean.values, label=dom, marker="o" if len(mean) <= 3 else None, **style)
-            if dom == "AVG" and len(frames) > 1:
-                std = 100 * by_round.std(ddof=1).fillna(0.0)
-                ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color="black", alpha=0.15)
-        ax.set_title(name + (f" ({len(frames)} seeds)" if len(frames) > 1 else ""))
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel("test accuracy (%)")
-    flat[0].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def save_figure(fig, ax, path: str) -> None:
-    """Grid, legend, then write the figure atomically (a reader never sees half a PNG)."""
-    import matplotlib.pyplot as plt
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def _clock(df: pd.DataFrame) -> pd.Series | None:
-    """Simulated seconds elapsed at the end of each round (client profiles' clock), or None."""
-    rows = df[(df.split == "clock") & (df.metric == "sim_round_s")].sort_values("round")
-    if rows.empty:
-        return None
-    return pd.Series(rows.value.cumsum().values, index=rows["round"].values)
-
-
-def plot_time_curves(panels: dict[str, list[pd.DataFrame]], path: str) -> None:
-    """Test AVG against simulated time (the clock of the client profiles), one line per seed,
-    beside curves.png's AVG against rounds; every panel in one figure."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, frames in panels.items():
-        for i, df in enumerate(frames):
-            clock = _clock(df)
-            acc = df[(df.client == -1) & (df.split == "test") & (df.domain == "AVG") & (df.metric == "accuracy")]
-            if clock is None or acc.empty:
-                continue
-            acc = acc.sort_values("round")
-            ax.plot(clock.reindex(acc["round"].values).values, 100 * acc.value.values, marker=".",
-                    label=name if i == 0 else None, color=f"C{list(panels).index(name) % 10}", alpha=0.85)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("test AVG (%)")
-    save_figure(fig, ax, path)
-
 
 # ----------------------------------------------------------------------------- render
 
-def _method_sections(run_dir: str) -> str:
-    """What the method itself adds to the summary (its ``report_markdown`` hook)."""
+def method_section(folder: str, metrics: pd.DataFrame) -> str:
+    """What the method itself adds to the summary: its ``report_markdown(config, metrics)`` hook,
+    given the federation's config and metrics as :mod:`raysim.app.rundir` reads them."""
     from raysim.methods import registry
     try:
-        cls = registry.get(_method_of(run_dir))
+        cls = registry.get(rundir.method_of(folder))
     except UserError:  # a folder named after no method of this build
         return ""
-    text = cls.report_markdown(run_dir)
+    text = cls.report_markdown(rundir.read_config(folder), metrics)
     return f"\n{text.rstrip()}\n" if text else ""
 
 
@@ -421,58 +183,40 @@ def _exchanges(dirs: dict[str, str]) -> str:
     return "\n## Data-derived statistics exchanged between clients\n\n" + "\n".join(lines) + "\n"
 
 
-def _beside_paper(run_dir: str) -> str:
-    """The published numbers of the config's ``paper:`` section beside ours, as ``raysim compare``
-    shows them (Δ = ours − paper)."""
-    paper = _config(run_dir).get("paper")
-    if not (isinstance(paper, dict) and paper.get("metrics")):
-        return ""
-    from raysim.app.compare import label_entries, compare_markdown, load
-    entries = load(run_dir)
-    label_entries(entries)
-    md = compare_markdown(entries)[0]
-    body = [ln for ln in md.splitlines() if not ln.startswith(("# Comparison", "Runs: "))]
-    return "\n## Beside the published numbers\n\n" + "\n".join(body).strip() + "\n"
-
-
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
-    dirs = method_dirs(run_dir)
+    dirs = rundir.method_dirs(run_dir)
     if not dirs:
         raise UserError(f"no metrics.parquet found in {run_dir} or its method folders")
     title = os.path.basename(os.path.normpath(run_dir))
     panels: dict[str, list[pd.DataFrame]] = {}
     runs: dict[str, dict] = {}
+    first: dict[str, tuple[str, pd.DataFrame]] = {}  # method -> (folder, metrics) of its first seed
     lodo = False
     for name, d in dirs.items():
         runs[name] = {}
-        for seed, sd in seed_dirs(d).items():
-            holdouts = _holdout_dirs(sd)
+        for seed, sd in rundir.seed_dirs(d).items():
+            holdouts = rundir.holdout_dirs(sd)
             if holdouts:
                 lodo = True
                 runs[name][seed] = {}
                 for dom, hd in holdouts.items():  # each federation's own config says its eval.select
-                    df = _read(hd)
+                    df = rundir.read_metrics(hd)
                     panels.setdefault(f"{name} / {dom}", []).append(df)
-                    runs[name][seed][dom] = summarize(df, name, _select_rule(hd))
+                    runs[name][seed][dom] = summarize(df, name, select_rule(hd))
             else:
-                df = _read(sd)
+                df = rundir.read_metrics(sd)
                 panels.setdefault(name, []).append(df)
-                runs[name][seed] = summarize(df, name, _select_rule(sd))
+                runs[name][seed] = summarize(df, name, select_rule(sd))
+                first.setdefault(name, (sd, df))
     if lodo:
         text = lodo_markdown(runs, title)
     else:
         text = summary_markdown(runs, title)
-        text += "".join(_method_sections(next(iter(seed_dirs(d).values()))) for d in dirs.values())
-    text += _exchanges(dirs) + _beside_paper(run_dir)
-    summary = os.path.join(run_dir, "summary.md")
-    with writing(summary):
-        with open(summary + ".tmp", "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(summary + ".tmp", summary)
-    with writing(os.path.join(run_dir, "curves.png")):
-        plot_curves(panels, os.path.join(run_dir, "curves.png"))
-    if any(_clock(df) is not None for frames in panels.values() for df in frames):
-        with writing(os.path.join(run_dir, "curves_time.png")):
-            plot_time_curves(panels, os.path.join(run_dir, "curves_time.png"))
+        text += "".join(method_section(*first[name]) for name in dirs)
+    text += _exchanges(dirs) + beside_paper(run_dir)
+    write_text(os.path.join(run_dir, "summary.md"), text)
+    plot_curves(panels, os.path.join(run_dir, "curves.png"))
+    if any(sim_clock(df) is not None for frames in panels.values() for df in frames):
+        plot_time_curves(panels, os.path.join(run_dir, "curves_time.png"))
     return text

@@ -10,6 +10,10 @@ failed write said in one line.
 * :class:`WriteFailed` and :func:`writing`: an ``OSError`` at a write (no space, no permission, a
   read-only file system) as one line naming the file and the original error; :func:`intact`
   says what the folder still holds.
+* :func:`plan`: the federations of a config and their folders; :func:`method_dirs`,
+  :func:`seed_dirs`, :func:`holdout_dirs` list them back from a run folder, and
+  :func:`read_metrics`, :func:`read_config`, :func:`config_dict` read one (what ``report``,
+  ``compare`` and the methods' summary sections see of a run).
 """
 from __future__ import annotations
 
@@ -278,6 +282,114 @@ def plan(cfg, run_dir: str) -> list[tuple[object, str]]:
                     sub = os.path.join(sub, f"holdout-{holdout}")
                 out.append((one, sub))
     return out
+
+
+# ----------------------------------------------------------------------------- the federations of a run folder
+
+METRICS = "metrics.parquet"
+CONFIG = "config.yaml"
+
+
+def method_dirs(run_dir: str) -> dict[str, str]:
+    """{method: its folder} of a run folder: itself for a one-method run, its ``<method>/``
+    folders for a comparison, in the order its config lists them (the first is the reference)."""
+    if _is_run(run_dir):
+        return {method_of(run_dir): run_dir}
+    found = {}
+    if os.path.isdir(run_dir):
+        for name in sorted(os.listdir(run_dir)):
+            if _is_run(os.path.join(run_dir, name)):
+                found[name] = os.path.join(run_dir, name)
+    listed = config_dict(run_dir).get("methods") or []
+    order = [m for m in listed if m in found] + [m for m in found if m not in listed]
+    return {m: found[m] for m in order}
+
+
+def seed_dirs(method_dir: str) -> dict[int | None, str]:
+    """{seed: folder} of a method's folder; {None: method_dir} when it ran one seed."""
+    found = {}
+    for key, path in _subdirs(method_dir, "seed-").items():
+        if key.isdigit() and (os.path.isfile(os.path.join(path, METRICS)) or holdout_dirs(path)):
+            found[int(key)] = path
+    return dict(sorted(found.items())) or {None: method_dir}
+
+
+def holdout_dirs(seed_dir: str) -> dict[str, str]:
+    """{held-out domain: federation folder} of a leave-one-domain-out seed's folder ({} otherwise)."""
+    return {k: v for k, v in _subdirs(seed_dir, "holdout-").items() if os.path.isfile(os.path.join(v, METRICS))}
+
+
+def _subdirs(d: str, prefix: str) -> dict[str, str]:
+    if not os.path.isdir(d):
+        return {}
+    return {n[len(prefix):]: os.path.join(d, n) for n in sorted(os.listdir(d))
+            if n.startswith(prefix) and os.path.isdir(os.path.join(d, n))}
+
+
+def _is_run(d: str) -> bool:
+    if os.path.isfile(os.path.join(d, METRICS)) or holdout_dirs(d):
+        return True
+    return None not in seed_dirs(d)
+
+
+def method_of(folder: str) -> str:
+    """The method a folder ran: its config's ``method`` (or first of ``methods``), else the folder's name."""
+    raw = config_dict(folder)
+    return raw.get("method") or (raw.get("methods") or [None])[0] or os.path.basename(os.path.normpath(folder))
+
+
+def read_yaml_dict(path: str) -> dict:
+    """A YAML file's mapping; {} when it is missing, unreadable, not YAML or not a mapping (a
+    listing skips such a file rather than failing on it)."""
+    import yaml
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def config_dict(folder: str) -> dict:
+    """A folder's config.yaml as written, a plain dict ({} without a readable one): the keys a
+    listing needs (``methods``' order, ``eval.select``, ``paper``) whatever the schema is today."""
+    return read_yaml_dict(os.path.join(folder, CONFIG))
+
+
+def read_config(folder: str):
+    """A federation's config.yaml as an :class:`raysim.config.ExperimentConfig` (the schema's
+    checks; each method checks its own ``hp``), or None when the folder has none."""
+    from raysim.config import load_config
+    path = os.path.join(folder, CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        return load_config(path)
+    except UserError as err:
+        raise UserError(f"{path} does not load: {err}") from None
+
+
+def read_metrics(folder: str):
+    """A federation's metrics.parquet as a DataFrame of raysim's long format
+    (:data:`raysim.engine.metrics.COLUMNS`); a damaged file, or one that is not that format (a
+    column missing or of another type), is one UserError line."""
+    import pyarrow.parquet as pq
+
+    from raysim.engine.metrics import COLUMNS, SCHEMA
+    path = os.path.join(folder, METRICS)
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # a corrupted or truncated file
+        raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise UserError(f"{path} is not a raysim metrics file: it lacks the column(s) {', '.join(missing)} "
+                        f"(expected {', '.join(COLUMNS)})")
+    try:
+        return table.select(list(COLUMNS)).cast(SCHEMA).to_pandas()
+    except Exception as err:  # e.g. value stored as text
+        raise UserError(f"{path} is not a raysim metrics file: its columns do not convert to "
+                        f"{SCHEMA.to_string().replace(chr(10), ', ')} ({str(err).splitlines()[0]})") from None
 
 
 def _warn(text: str) -> None:

@@ -377,8 +377,12 @@ class Method:
 
     # ---- report ---------------------------------------------------------------------------
     @classmethod
-    def report_markdown(cls, run_dir: str) -> str:
-        """Method-specific sections appended to a run's summary.md (markdown; "" for none)."""
+    def report_markdown(cls, config, metrics) -> str:
+        """Method-specific sections appended to a run's summary.md (markdown; "" for none), from
+        one federation of the method (its first seed): ``config``, the federation's
+        ``raysim.config.ExperimentConfig`` (None where its folder holds no config.yaml), and
+        ``metrics``, its metrics as a pandas DataFrame in raysim's long format (the columns of
+        ``raysim.engine.metrics.COLUMNS``). The app reads both; a method never reads a run folder."""
         return ""
 
 

@@ -13,7 +13,8 @@ import torch
 from raysim.config import load_config
 from raysim.core.errors import UserError
 from raysim.engine.metrics import MetricsLog
-from raysim.app.report import paired_comparison, summarize
+from raysim.app.report import paired_comparison
+from raysim.app.tables import summarize
 
 TINY = {
     "method": "fedavg", "rounds": 1, "seed": 3,

@@ -228,7 +228,8 @@ def test_ccst_server_bank_and_summary_name_the_variant(tmp_path):
     state = m.aggregate(state, Mean(state["global"], 1.0, [1], {1: {"style": torch.ones(2, 1)}}), 1)
     assert list(m.broadcast(state, 2)["styles"]) == [1]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"method": "ccst", "hp": {"ccst": {"variant": "image"}}}))
-    assert "`image`" in CCST.report_markdown(str(tmp_path)) and "style" in CCST.exchanges
+    from raysim.app import rundir
+    assert "`image`" in CCST.report_markdown(rundir.read_config(str(tmp_path)), None) and "style" in CCST.exchanges
 
 
 # ----------------------------------------------------------------------------- MixStyle

@@ -507,7 +507,9 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
                   domain_of=lambda c: f"d{c // 2}")
     (tmp_path / "dapperfl").mkdir()
     log.write(str(tmp_path / "dapperfl" / "metrics.parquet"))
-    rows = footprint_from_run(str(tmp_path))  # a comparison's folder: finds dapperfl/
+    from raysim.app import rundir
+    fed = rundir.method_dirs(str(tmp_path))["dapperfl"]  # a comparison's folder: finds dapperfl/
+    rows = footprint_from_run(rundir.read_metrics(fed))
     assert [(r["tier"], r["rho"], r["clients"]) for r in rows] == [("C1", 0.0, "0 (d0), 5 (d2)"),
                                                                    ("C5", 0.8, "4 (d2)")]
     assert rows[0]["kept_params"] == rows[0]["params"] == metrics[0]["params"]
@@ -516,10 +518,10 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "C5     0.8 |" in out and "C1: clients 0 (d0), 5 (d2)" in out
     with pytest.raises(UserError):
-        footprint_from_run(str(tmp_path / "nothing"))
+        footprint_from_run(rundir.read_metrics(fed).iloc[:0])
     # the same rows go into summary.md through the method's report hook
-    from raysim.app.report import _method_sections
-    md = _method_sections(str(tmp_path / "dapperfl"))
+    from raysim.app.report import method_section
+    md = method_section(fed, rundir.read_metrics(fed))
     c5 = f"| C5 | 0.8 | 4 (d2) | {0.2 * metrics[4]['params'] / 1e6:.3f}M | {metrics[4]['kept_params'] / 1e6:.3f}M |"
     assert "## DapperFL footprint per capability tier" in md and c5 in md
     # the round's forward FLOPs by hand (8 samples, batch 4, E = 2: one dense epoch, one pruned), and
@@ -529,7 +531,7 @@ def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     assert f4["fwd_flops_bn_pass"] == f4["flops_dense"] * 8 and metrics[0]["fwd_flops_bn_pass"] == 0.0
     share = 100 * f4["fwd_flops_bn_pass"] / (3 * f4["fwd_flops_train"] + f4["fwd_flops_bn_pass"])
     assert f"{f4['fwd_flops_bn_pass'] / 1e9:.2f}G ({share:.1f}%)" in md and "`bn_stats: recovered`" in md
-    assert DapperFL.report_markdown(str(tmp_path / "nothing")) == ""
+    assert DapperFL.report_markdown(None, rundir.read_metrics(fed).iloc[:0]) == ""
 
 
 # ----------------------------------------------------------------------------- the order of Alg. 1 lines 1-3
