@@ -139,7 +139,7 @@ def test_the_scan_sees_an_import_inside_a_function(tmp_path):
 
 @pytest.mark.parametrize("module, expected", [("raysim.core.contract", "core"), ("raysim.config", "config"),
                                               ("raysim.methods.registry", "registry"), ("raysim.methods.fedavg", "methods"),
-                                              ("raysim.engine.loop", "engine"), ("raysim.cli", "app"),
+                                              ("raysim.engine.loop", "engine"), ("raysim.app.report", "app"),
                                               ("raysim.tuning.search", "tuning"), ("raysim.__main__", "top"), ("raysim.cli", "top")])
 def test_layer_names(module, expected):
     assert layer(module) == expected

@@ -9,7 +9,6 @@ import os
 import sys
 import typing
 
-from raysim.core.errors import UserError
 from raysim.app.rundir import read_yaml_dict
 from raysim.app.tables import markdown_table
 
