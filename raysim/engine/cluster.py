@@ -17,7 +17,7 @@ import re
 import time
 
 from raysim.core.errors import TrainingDiverged, UserError
-from raysim.core.files import writing
+from raysim.core.files import write_json
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
@@ -213,8 +213,6 @@ def owner_of(num_hosts: int):
 def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
     """``hosts.json``: one entry per host, with the Ray node it was placed on and its client ids as
     ``client_range: [start, stop, step]`` (client k lives on host k mod H)."""
-    import json
-
     import ray
 
     addresses = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
@@ -224,11 +222,8 @@ def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
         hosts.append({**info, "node_ip": addresses.get(info.get("node_id")),
                       "client_range": [h, num_clients, len(ready)]})
     nodes = sorted({i.get("node_id") for i in ready if i.get("node_id")})
-    path = os.path.join(run_dir, "hosts.json")
-    with writing(path):
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
-        os.replace(path + ".tmp", path)
+    write_json(os.path.join(run_dir, "hosts.json"),
+               {"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, indent=1)
 
 
 def ray_get(refs):
