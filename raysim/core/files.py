@@ -70,6 +70,14 @@ def write_text(path: str | os.PathLike, text: str, **kw) -> None:
     write_atomically(path, write, **kw)
 
 
+def write_bytes(path: str | os.PathLike, data: bytes, *, filesystem=None, **kw) -> None:
+    """``data`` as the file's whole content, atomically; on a ``pyarrow.fs`` ``filesystem`` too."""
+    def write(tmp):
+        with filesystem.open_output_stream(tmp) if filesystem is not None else open(tmp, "wb") as fh:
+            fh.write(data)
+    write_atomically(path, write, filesystem=filesystem, **kw)
+
+
 def write_json(path: str | os.PathLike, obj, *, indent: int | None = None, default=None, **kw) -> None:
     """``obj`` as JSON, atomically."""
     write_text(path, json.dumps(obj, indent=indent, default=default), **kw)
