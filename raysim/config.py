@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from raysim.core.errors import UserError
+from raysim.core.files import write_yaml
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
@@ -367,5 +368,4 @@ def validate(cfg: ExperimentConfig) -> None:
 
 
 def dump_yaml(cfg: ExperimentConfig, path: str | os.PathLike) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    write_yaml(path, cfg.to_dict())

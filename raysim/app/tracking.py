@@ -34,7 +34,7 @@ import sys
 import time
 
 from raysim.core.errors import UserError
-from raysim.core.files import writing
+from raysim.core.files import write_json, writing
 from raysim.engine.loop import Callback
 
 EVAL_SPLITS = ("val", "test")
@@ -302,10 +302,7 @@ def _read_state(run_dir: str) -> dict | None:
 
 def _write_state(run_dir: str, state: dict) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    tmp = os.path.join(run_dir, MLFLOW_STATE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(state, fh)
-    os.replace(tmp, os.path.join(run_dir, MLFLOW_STATE))
+    write_json(os.path.join(run_dir, MLFLOW_STATE), state, keep_error=True)  # on_start says what failed
 
 
 def log_report(cfg, run_dir: str) -> None:
