@@ -29,6 +29,7 @@ import yaml
 
 from raysim.engine import checkpoint
 from raysim.core.errors import RunFailed, UserError
+from raysim.core.files import WriteFailed, write_atomically, write_text
 from raysim.tuning import outputs
 from raysim.tuning import space as sp
 from raysim.tuning.spec import SAMPLERS, TuneSpec, load_spec
@@ -291,9 +292,8 @@ class Progress(Callback):
         try:
             d = os.path.join(self.out, "trials", trial_name(trial))
             os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "finished"), "w") as fh:
-                fh.write(reason + "\n")
-        except OSError:
+            write_text(os.path.join(d, "finished"), reason + "\n")
+        except (OSError, WriteFailed):
             pass
 
 
@@ -359,9 +359,7 @@ def backup_state(exp_dir: str, backup_dir: str, last_sig=None):
         if stamp not in old:
             os.remove(os.path.join(backup_dir, old))
     for p in paths:
-        tmp = os.path.join(backup_dir, "." + os.path.basename(p) + ".tmp")
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, os.path.join(backup_dir, os.path.basename(p)))
+        write_atomically(os.path.join(backup_dir, os.path.basename(p)), lambda tmp, p=p: shutil.copyfile(p, tmp))
     return sig
 
 
@@ -380,8 +378,9 @@ def repair_state(exp_dir: str, backup_dir: str) -> bool:
                     os.remove(p)
     if backups and _group_ok(backup_dir, backups[-1]):
         for t in STATE_FILES:
-            name = t.format(backups[-1])
-            shutil.copyfile(os.path.join(backup_dir, name), os.path.join(exp_dir, name))
+            backup = os.path.join(backup_dir, t.format(backups[-1]))
+            write_atomically(os.path.join(exp_dir, os.path.basename(backup)),
+                             lambda tmp, backup=backup: shutil.copyfile(backup, tmp))
     groups = _state_groups(exp_dir)
     return bool(groups) and _group_ok(exp_dir, groups[-1])
 
@@ -562,11 +561,8 @@ def prepare_dir(out: str, spec: TuneSpec) -> bool:
     elif os.path.isdir(out) and os.listdir(out):
         raise UserError(f"{out} exists and is not a raysim search directory; choose another --out")
     os.makedirs(out, exist_ok=True)
-    tmp = rec_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("# The resolved search (raysim tune). A rerun of the same search resumes it.\n")
-        yaml.safe_dump(record, fh, sort_keys=False)
-    os.replace(tmp, rec_path)
+    write_text(rec_path, "# The resolved search (raysim tune). A rerun of the same search resumes it.\n"
+               + yaml.safe_dump(record, sort_keys=False))
     return False
 
 

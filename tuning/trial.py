@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from raysim.core import files
 from raysim.core.errors import UserError
 from raysim.tuning import space as sp
 
@@ -224,8 +225,7 @@ def _bump_attempts(run_dir: str) -> int:
             n = int(fh.read().strip() or 0)
     except (OSError, ValueError):
         n = 0
-    with open(path, "w") as fh:
-        fh.write(f"{n + 1}\n")
+    files.write_text(path, f"{n + 1}\n")
     return n + 1
 
 
@@ -253,10 +253,7 @@ def read_json(path: str):
 
 def write_json(path: str, obj) -> None:
     """Atomic: a trial killed mid-write leaves the previous file, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=1, default=_jsonable)
-    os.replace(tmp, path)
+    files.write_json(path, obj, indent=1, default=_jsonable)
 
 
 def _jsonable(v):
