@@ -28,7 +28,7 @@ import warnings
 import yaml
 
 from raysim.engine import checkpoint
-from raysim.core.errors import RunFailed, UserError
+from raysim.core.errors import RunFailed, UserError, first_line
 from raysim.core.files import WriteFailed, write_atomically, write_text
 from raysim.tuning import outputs
 from raysim.tuning import space as sp
@@ -123,7 +123,7 @@ def make_sampler(spec: TuneSpec):
             warnings.simplefilter("ignore")
             return cls(**opts)
     except (TypeError, ValueError, ImportError) as err:
-        raise UserError(f"sampler {kind} with {opts}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"sampler {kind} with {opts}: {first_line(err)}") from None
 
 
 def make_searcher(spec: TuneSpec, out: str):
@@ -148,7 +148,7 @@ def make_scheduler(spec: TuneSpec):
             return ASHAScheduler(time_attr="round", metric=spec.metric, mode=spec.mode, max_t=spec.rounds, **s)
         return MedianStoppingRule(time_attr="round", metric=spec.metric, mode=spec.mode, **s)
     except (TypeError, ValueError, AssertionError) as err:
-        raise UserError(f"scheduler {kind}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"scheduler {kind}: {first_line(err)}") from None
 
 
 class RaysimOptunaSearch(OptunaSearch):
@@ -423,11 +423,11 @@ def error_line(err) -> str:
     while e is not None and id(e) not in seen:  # a UserError anywhere in the chain says it best
         seen.add(id(e))
         if isinstance(e, UserError):
-            return _first_line(str(e)) or type(e).__name__
+            return first_line(e)
         e = e.__cause__ or e.__context__
     if _is_task_error(real):  # no cause to unwrap: the traceback's last line
         return _text_error_line(str(real))
-    message = _first_line(str(real))
+    message = first_line(real, default="")
     if isinstance(real, RunFailed):  # the round loop's advice to run --resume is not for a trial
         message = message.split("; resume with:", 1)[0].split("; rerun with:", 1)[0]
     exit_type = re.search(r"Worker exit type: (\w+)", str(real))
@@ -439,10 +439,6 @@ def error_line(err) -> str:
 
 def _is_task_error(err) -> bool:
     return type(err).__name__.startswith("RayTaskError")
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def _text_error_line(text: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from raysim.app.configs import load_checked
 from raysim.app.rundir import with_holdout
 from raysim.config import ExperimentConfig, apply_overrides, parse_override, read_yaml
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
 from raysim.core.hparams import Space
 
@@ -347,7 +347,7 @@ def _check_space_against(space: dict[str, Space], experiment: dict) -> None:
                 load_checked(raw=sp.apply_params(experiment, {key: value}))
             except UserError as err:
                 raise UserError(f"search space entry '{key}' value {value!r} is not a valid experiment: "
-                                f"{str(err).splitlines()[0]}") from None
+                                f"{first_line(err)}") from None
 
 
 def current_value(cfg: ExperimentConfig, key: str, method_cls):

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from raysim.core import files
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
 
 HEAD_MEMORY = 64 * 2**20  # bytes; keeps bundle 0 non-empty when the trial itself asks for 0 CPUs
@@ -65,7 +65,7 @@ def num_hosts_for(run_raw: dict) -> int:
     except ray.exceptions.RayTaskError as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, UserError):  # e.g. a dataset root that does not exist
-            raise UserError(str(cause).splitlines()[0]) from None
+            raise UserError(first_line(cause)) from None
         raise
     return host_layout(load_checked(raw=run_raw).runtime, n)[0]
 

@@ -27,7 +27,7 @@ import shutil
 
 import pyarrow.parquet as pq
 
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
 from raysim.core.files import write_atomically
 
 FORMAT_VERSION = 3  # 3: meta.json holds each file's SHA-256; 2: a client is {"state": ..., "trained": ...}
@@ -174,7 +174,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
-        raise UserError(f"checkpoint file {meta_path} is unreadable ({_first_line(err)})") from None
+        raise UserError(f"checkpoint file {meta_path} is unreadable ({first_line(err, limit=200)})") from None
     version = meta.get("format_version")
     if version not in READABLE_VERSIONS:
         raise UserError(f"checkpoint {d} has format version {version!r}; this raysim reads versions "
@@ -198,7 +198,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
             try:
                 ok = _digest(path) == sha256[name]
             except OSError as err:
-                raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+                raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
             if not ok:
                 raise UserError(f"checkpoint file {path} is unreadable: damaged (its SHA-256 is not "
                                 "the one meta.json recorded)")
@@ -210,7 +210,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
         try:
             out[key] = torch.load(path, weights_only=True)
         except Exception as err:  # truncated, corrupted, or not a checkpoint at all
-            raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+            raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
         where = _non_finite(out[key], torch)
         if where is not None:
             if sha256 is None:
@@ -223,7 +223,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
     try:
         out["metrics"] = pq.read_table(path)
     except Exception as err:
-        raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+        raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
     return out
 
 
@@ -260,11 +260,6 @@ def latest(run_dir: str, cfg, warn=print) -> dict | None:
             then = "trying the previous checkpoint" if i else "no checkpoint left: starting again from round 1"
             warn(f"raysim: warning: {err}; {then}")
     return None
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
 
 
 def intact(run_dir: str) -> str:

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from raysim.core.errors import TrainingDiverged, UserError
+from raysim.core.errors import TrainingDiverged, UserError, first_line
 from raysim.core.files import write_json
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
@@ -92,7 +92,7 @@ def join_cluster(address: str) -> None:
                         "RAY_AUTH_TOKEN or ~/.ray/auth_token (or set RAY_AUTH_MODE=disabled for a cluster "
                         "without authentication)") from None
     except (ConnectionError, ValueError, RuntimeError) as err:
-        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {first_line(err)}") from None
 
 
 def _token_auth() -> None:
@@ -236,7 +236,7 @@ def ray_get(refs):
         if isinstance(cause, TrainingDiverged):
             raise cause from None
         if isinstance(cause, UserError):
-            raise UserError(str(cause).splitlines()[0]) from None
+            raise UserError(first_line(cause)) from None
         raise
 
 
@@ -247,11 +247,6 @@ def alive(actor, timeout: float = 30.0) -> bool:
         return True
     except Exception:
         return False
-
-
-def first_line(err: Exception) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(err).__name__
 
 
 def server_placement():
