@@ -202,7 +202,7 @@ class ExperimentConfig:
         settings merged in."""
         raw = self.to_dict()
         raw.update(method=name, methods=None, per_method={})
-        _merge(raw, self.per_method.get(name) or {})
+        merge(raw, self.per_method.get(name) or {})
         return build(ExperimentConfig, raw)
 
     def seed_list(self) -> list[int]:
@@ -220,12 +220,48 @@ class ExperimentConfig:
 
 # ----------------------------------------------------------------------------- parsing
 
-def _merge(into: dict, extra: dict) -> None:
+# Dotted keys (``train.lr``) and section merges: the config's, and raysim.tuning's for searched keys.
+
+def merge(into: dict, extra: dict) -> None:
+    """``extra`` merged into ``into`` in place: a mapping into a mapping key by key, anything else
+    (a copy of it) replacing what was there."""
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
+            merge(into[k], v)
         else:
             into[k] = copy.deepcopy(v)
+
+
+def get_path(raw: dict, path: str | list[str], default=None):
+    """``raw[path[0]][path[1]]...`` (``path`` as a list or dotted, ``"train.lr"``), or ``default``
+    where a step is missing or not a section."""
+    node = raw
+    for part in _steps(path):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_path(raw: dict, path: str | list[str], value, where: str | None = None) -> None:
+    """Set ``raw[path[0]][path[1]]... = value`` (``path`` as a list or dotted), creating missing
+    sections; ``where`` names the source (an override; default ``config key 'train.lr'``) in the
+    error when a step is not a section."""
+    path = _steps(path)
+    where = where or f"config key '{'.'.join(path)}'"
+    node = raw
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"{where}: '{part}' is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _steps(path: str | list[str]) -> list[str]:
+    return path.split(".") if isinstance(path, str) else list(path)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -237,20 +273,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError:
         parsed = value
     return key.strip().split("."), parsed
-
-
-def set_path(raw: dict, path: list[str], value, where: str) -> None:
-    """Set ``raw[path[0]][path[1]]... = value``, creating missing sections; ``where`` names the
-    source (an override, a tuned key) in the error when a step is not a section."""
-    node = raw
-    for part in path[:-1]:
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        if not isinstance(nxt, dict):
-            raise UserError(f"{where}: '{part}' is not a section")
-        node = nxt
-    node[path[-1]] = value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

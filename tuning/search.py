@@ -27,6 +27,7 @@ import warnings
 
 import yaml
 
+from raysim.config import get_path, set_path
 from raysim.engine import checkpoint
 from raysim.core.errors import RunFailed, UserError, first_line
 from raysim.core.files import WriteFailed, write_atomically, write_text
@@ -66,8 +67,8 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
     address = address or base.runtime.address
     local = not (address or os.environ.get("RAY_ADDRESS"))
     run_raw = spec.run_experiment()
-    if sp.get_dotted(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
-        sp.set_dotted(run_raw, "tracking.mlflow_experiment", spec.name)
+    if get_path(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
+        set_path(run_raw, "tracking.mlflow_experiment", spec.name)
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
          f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
     echo(f"  space: {sp.describe(spec.space)}")

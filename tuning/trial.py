@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from raysim.config import set_path
 from raysim.core import files
 from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
@@ -183,10 +184,10 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     raw = sp.apply_params(ctx.run_experiment, params)
     # The Server's CPUs are reserved in bundle 0; the actor itself asks for none so that Ray's
     # capture of child actors into the trial's group cannot put it on a host's bundle.
-    sp.set_dotted(raw, "runtime.server_cpus", 0.0)
+    set_path(raw, "runtime.server_cpus", 0.0)
     # each trial is tracked like a `raysim run` federation (TensorBoard in its run directory, MLflow
     # if configured), named after the trial so a search's runs line up with trials.parquet
-    sp.set_dotted(raw, "tracking.run_name", os.path.basename(run_dir))
+    set_path(raw, "tracking.run_name", os.path.basename(run_dir))
     cfg = load_checked(raw=raw)
     _write_placement(run_dir)
     tracker = Tracker(cfg.rounds, attempt, earlier)
