@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError
+from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError, first_line
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
@@ -174,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "methods": cmd_methods,
                 "data": cmd_data, "tune": cmd_tune}[ns.command](ns)
     except UserError as err:
-        print(f"raysim: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        print(f"raysim: error: {first_line(err)}", file=sys.stderr)
         return 2
     except Interrupted as err:
-        print(f"raysim: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(f"raysim: {first_line(err)}", file=sys.stderr)
         return 128 + err.signal
     except RunFailed as err:
-        print(f"raysim: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(f"raysim: {first_line(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
         print("raysim: interrupted", file=sys.stderr)

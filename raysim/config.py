@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from raysim.core.errors import UserError
+from raysim.core.files import write_yaml
 from raysim.core.partition_spec import partition_spec
 from raysim.core.settings import build, setting
 
@@ -212,7 +213,7 @@ class ExperimentConfig:
         settings merged in."""
         raw = self.to_dict()
         raw.update(method=name, methods=None, per_method={})
-        _merge(raw, self.per_method.get(name) or {})
+        merge(raw, self.per_method.get(name) or {})
         return build(ExperimentConfig, raw)
 
     def seed_list(self) -> list[int]:
@@ -230,12 +231,48 @@ class ExperimentConfig:
 
 # ----------------------------------------------------------------------------- parsing
 
-def _merge(into: dict, extra: dict) -> None:
+# Dotted keys (``train.lr``) and section merges: the config's, and raysim.tuning's for searched keys.
+
+def merge(into: dict, extra: dict) -> None:
+    """``extra`` merged into ``into`` in place: a mapping into a mapping key by key, anything else
+    (a copy of it) replacing what was there."""
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
+            merge(into[k], v)
         else:
             into[k] = copy.deepcopy(v)
+
+
+def get_path(raw: dict, path: str | list[str], default=None):
+    """``raw[path[0]][path[1]]...`` (``path`` as a list or dotted, ``"train.lr"``), or ``default``
+    where a step is missing or not a section."""
+    node = raw
+    for part in _steps(path):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_path(raw: dict, path: str | list[str], value, where: str | None = None) -> None:
+    """Set ``raw[path[0]][path[1]]... = value`` (``path`` as a list or dotted), creating missing
+    sections; ``where`` names the source (an override; default ``config key 'train.lr'``) in the
+    error when a step is not a section."""
+    path = _steps(path)
+    where = where or f"config key '{'.'.join(path)}'"
+    node = raw
+    for part in path[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"{where}: '{part}' is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _steps(path: str | list[str]) -> list[str]:
+    return path.split(".") if isinstance(path, str) else list(path)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -247,20 +284,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError:
         parsed = value
     return key.strip().split("."), parsed
-
-
-def set_path(raw: dict, path: list[str], value, where: str) -> None:
-    """Set ``raw[path[0]][path[1]]... = value``, creating missing sections; ``where`` names the
-    source (an override, a tuned key) in the error when a step is not a section."""
-    node = raw
-    for part in path[:-1]:
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        if not isinstance(nxt, dict):
-            raise UserError(f"{where}: '{part}' is not a section")
-        node = nxt
-    node[path[-1]] = value
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -376,5 +399,4 @@ def validate(cfg: ExperimentConfig) -> None:
 
 
 def dump_yaml(cfg: ExperimentConfig, path: str | os.PathLike) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    write_yaml(path, cfg.to_dict())

@@ -16,6 +16,7 @@ import os
 
 import yaml
 
+from raysim.core.files import write_atomically, write_text
 from raysim.tuning import space as sp
 
 STOP_REASONS = ("completed", "early_stopped", "diverged", "error", "unfinished")
@@ -54,9 +55,7 @@ def _kind(v) -> str:
 
 
 def write_trials(df, path: str) -> None:
-    tmp = f"{path}.tmp"
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def pick_best(df, mode: str):
@@ -84,11 +83,7 @@ def write_best(spec, row, path: str, search_dir: str) -> dict:
         "# Searched: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in params.items()),
         f"# Re-run: raysim run {path}",
     ]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(header) + "\n")
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
-    os.replace(tmp, path)
+    write_text(path, "\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return params
 
 
@@ -140,10 +135,9 @@ def plot_search(df, spec, path: str, best=None) -> None:
     fig.suptitle(f"{spec.name}: {spec.method}, {len(df)} trials ({n_done} completed), "
                  f"{spec.metric} ({spec.mode})", fontsize=10)
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
+    image_format = os.path.splitext(path)[1][1:] or matplotlib.rcParams["savefig.format"]  # not the temp name's
+    write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format=image_format))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _positions(values, s):

@@ -27,8 +27,10 @@ import warnings
 
 import yaml
 
+from raysim.config import get_path, set_path
 from raysim.engine import checkpoint
-from raysim.core.errors import RunFailed, UserError
+from raysim.core.errors import RunFailed, UserError, first_line
+from raysim.core.files import WriteFailed, write_atomically, write_text
 from raysim.tuning import outputs
 from raysim.tuning import space as sp
 from raysim.tuning.spec import SAMPLERS, TuneSpec, load_spec
@@ -65,8 +67,8 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
     address = address or base.runtime.address
     local = not (address or os.environ.get("RAY_ADDRESS"))
     run_raw = spec.run_experiment()
-    if sp.get_dotted(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
-        sp.set_dotted(run_raw, "tracking.mlflow_experiment", spec.name)
+    if get_path(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
+        set_path(run_raw, "tracking.mlflow_experiment", spec.name)
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
          f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
     echo(f"  space: {sp.describe(spec.space)}")
@@ -122,7 +124,7 @@ def make_sampler(spec: TuneSpec):
             warnings.simplefilter("ignore")
             return cls(**opts)
     except (TypeError, ValueError, ImportError) as err:
-        raise UserError(f"sampler {kind} with {opts}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"sampler {kind} with {opts}: {first_line(err)}") from None
 
 
 def make_searcher(spec: TuneSpec, out: str):
@@ -147,7 +149,7 @@ def make_scheduler(spec: TuneSpec):
             return ASHAScheduler(time_attr="round", metric=spec.metric, mode=spec.mode, max_t=spec.rounds, **s)
         return MedianStoppingRule(time_attr="round", metric=spec.metric, mode=spec.mode, **s)
     except (TypeError, ValueError, AssertionError) as err:
-        raise UserError(f"scheduler {kind}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"scheduler {kind}: {first_line(err)}") from None
 
 
 class RaysimOptunaSearch(OptunaSearch):
@@ -291,9 +293,8 @@ class Progress(Callback):
         try:
             d = os.path.join(self.out, "trials", trial_name(trial))
             os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "finished"), "w") as fh:
-                fh.write(reason + "\n")
-        except OSError:
+            write_text(os.path.join(d, "finished"), reason + "\n")
+        except (OSError, WriteFailed):
             pass
 
 
@@ -359,9 +360,7 @@ def backup_state(exp_dir: str, backup_dir: str, last_sig=None):
         if stamp not in old:
             os.remove(os.path.join(backup_dir, old))
     for p in paths:
-        tmp = os.path.join(backup_dir, "." + os.path.basename(p) + ".tmp")
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, os.path.join(backup_dir, os.path.basename(p)))
+        write_atomically(os.path.join(backup_dir, os.path.basename(p)), lambda tmp, p=p: shutil.copyfile(p, tmp))
     return sig
 
 
@@ -380,8 +379,9 @@ def repair_state(exp_dir: str, backup_dir: str) -> bool:
                     os.remove(p)
     if backups and _group_ok(backup_dir, backups[-1]):
         for t in STATE_FILES:
-            name = t.format(backups[-1])
-            shutil.copyfile(os.path.join(backup_dir, name), os.path.join(exp_dir, name))
+            backup = os.path.join(backup_dir, t.format(backups[-1]))
+            write_atomically(os.path.join(exp_dir, os.path.basename(backup)),
+                             lambda tmp, backup=backup: shutil.copyfile(backup, tmp))
     groups = _state_groups(exp_dir)
     return bool(groups) and _group_ok(exp_dir, groups[-1])
 
@@ -424,11 +424,11 @@ def error_line(err) -> str:
     while e is not None and id(e) not in seen:  # a UserError anywhere in the chain says it best
         seen.add(id(e))
         if isinstance(e, UserError):
-            return _first_line(str(e)) or type(e).__name__
+            return first_line(e)
         e = e.__cause__ or e.__context__
     if _is_task_error(real):  # no cause to unwrap: the traceback's last line
         return _text_error_line(str(real))
-    message = _first_line(str(real))
+    message = first_line(real, default="")
     if isinstance(real, RunFailed):  # the round loop's advice to run --resume is not for a trial
         message = message.split("; resume with:", 1)[0].split("; rerun with:", 1)[0]
     exit_type = re.search(r"Worker exit type: (\w+)", str(real))
@@ -440,10 +440,6 @@ def error_line(err) -> str:
 
 def _is_task_error(err) -> bool:
     return type(err).__name__.startswith("RayTaskError")
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def _text_error_line(text: str) -> str:
@@ -562,11 +558,8 @@ def prepare_dir(out: str, spec: TuneSpec) -> bool:
     elif os.path.isdir(out) and os.listdir(out):
         raise UserError(f"{out} exists and is not a raysim search directory; choose another --out")
     os.makedirs(out, exist_ok=True)
-    tmp = rec_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("# The resolved search (raysim tune). A rerun of the same search resumes it.\n")
-        yaml.safe_dump(record, fh, sort_keys=False)
-    os.replace(tmp, rec_path)
+    write_text(rec_path, "# The resolved search (raysim tune). A rerun of the same search resumes it.\n"
+               + yaml.safe_dump(record, sort_keys=False))
     return False
 
 

@@ -173,24 +173,11 @@ def endpoints(space: Space) -> list:
 
 # ----------------------------------------------------------------------------- applying values
 
-def set_dotted(raw: dict, key: str, value) -> None:
-    set_path(raw, key.split("."), value, where=f"config key '{key}'")
-
-
-def get_dotted(raw: dict, key: str, default=None):
-    node = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def apply_params(raw: dict, params: dict) -> dict:
     """A copy of the experiment dict with ``{dotted key: value}`` set."""
     out = copy.deepcopy(raw)
     for key, value in params.items():
-        set_dotted(out, key, plain(value))
+        set_path(out, key, plain(value))
     return out
 
 
@@ -224,5 +211,5 @@ def as_jsonable(space: dict[str, Space]) -> dict:
             for k, s in space.items()}
 
 
-__all__ = ["Space", "parse_spec", "resolve_space", "to_optuna", "apply_params", "set_dotted", "get_dotted",
+__all__ = ["Space", "parse_spec", "resolve_space", "to_optuna", "apply_params",
            "contains", "endpoints", "describe", "as_jsonable", "short_name"]

@@ -19,8 +19,8 @@ from typing import Any
 
 from raysim.app.configs import load_checked
 from raysim.app.rundir import with_holdout
-from raysim.config import ExperimentConfig, apply_overrides, parse_override, read_yaml
-from raysim.core.errors import UserError
+from raysim.config import ExperimentConfig, apply_overrides, get_path, merge, parse_override, read_yaml, set_path
+from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
 from raysim.core.hparams import Space
 
@@ -83,12 +83,12 @@ class TuneSpec:
         start elsewhere) and, for leave-one-domain-out, the one held-out domain set."""
         raw = copy.deepcopy(self.experiment)
         for key in PATH_KEYS:
-            value = sp.get_dotted(raw, key)
+            value = get_path(raw, key)
             if isinstance(value, str) and value and not os.path.isabs(value):
-                sp.set_dotted(raw, key, os.path.abspath(os.path.expanduser(value)))
+                set_path(raw, key, os.path.abspath(os.path.expanduser(value)))
         cfg = load_checked(raw=raw)
         if cfg.eval.protocol == "lodo":
-            sp.set_dotted(raw, "data.partition", with_holdout(cfg, cfg.eval.holdout).data.partition)
+            set_path(raw, "data.partition", with_holdout(cfg, cfg.eval.holdout).data.partition)
         return raw
 
     def record(self) -> dict:
@@ -117,7 +117,7 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] | None
     patch = {k: v for k, v in data.items() if k not in TUNE_KEYS}
     experiment = _resolve_experiment(tune.get("experiment"), base_dir,
                                      from_cli=any(k[0] == "experiment" and len(k) == 1 for k, _ in tune_over))
-    experiment = deep_merge(experiment, patch)
+    merge(experiment, patch)  # a fresh dict: _resolve_experiment copies what it is given
     experiment = apply_overrides(experiment, exp_over)
 
     method = tune.get("method")
@@ -217,16 +217,6 @@ def _resolve_experiment(value, base_dir: Path, from_cli: bool) -> dict:
         if c.is_file():
             return read_yaml(c)
     raise UserError(f"experiment config not found: {value} (looked in {', '.join(str(c.parent) for c in candidates)})")
-
-
-def deep_merge(base: dict, patch: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in patch.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def _load_experiment(raw: dict) -> ExperimentConfig:
@@ -347,7 +337,7 @@ def _check_space_against(space: dict[str, Space], experiment: dict) -> None:
                 load_checked(raw=sp.apply_params(experiment, {key: value}))
             except UserError as err:
                 raise UserError(f"search space entry '{key}' value {value!r} is not a valid experiment: "
-                                f"{str(err).splitlines()[0]}") from None
+                                f"{first_line(err)}") from None
 
 
 def current_value(cfg: ExperimentConfig, key: str, method_cls):
@@ -356,7 +346,7 @@ def current_value(cfg: ExperimentConfig, key: str, method_cls):
         _, method, name = key.split(".")
         hp = method_cls.hparams_from(cfg.hp.get(method), prefix=f"hp.{method}")
         return getattr(hp, name)
-    return sp.get_dotted(cfg.to_dict(), key)
+    return get_path(cfg.to_dict(), key)
 
 
 def _initial_points(value, spec: TuneSpec, cfg: ExperimentConfig, method_cls) -> list[dict]:

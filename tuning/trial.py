@@ -22,7 +22,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from raysim.core.errors import UserError
+from raysim.config import set_path
+from raysim.core import files
+from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
 
 HEAD_MEMORY = 64 * 2**20  # bytes; keeps bundle 0 non-empty when the trial itself asks for 0 CPUs
@@ -64,7 +66,7 @@ def num_hosts_for(run_raw: dict) -> int:
     except ray.exceptions.RayTaskError as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, UserError):  # e.g. a dataset root that does not exist
-            raise UserError(str(cause).splitlines()[0]) from None
+            raise UserError(first_line(cause)) from None
         raise
     return host_layout(load_checked(raw=run_raw).runtime, n)[0]
 
@@ -182,10 +184,10 @@ def run_trial(params: dict, ctx: TrialContext) -> None:
     raw = sp.apply_params(ctx.run_experiment, params)
     # The Server's CPUs are reserved in bundle 0; the actor itself asks for none so that Ray's
     # capture of child actors into the trial's group cannot put it on a host's bundle.
-    sp.set_dotted(raw, "runtime.server_cpus", 0.0)
+    set_path(raw, "runtime.server_cpus", 0.0)
     # each trial is tracked like a `raysim run` federation (TensorBoard in its run directory, MLflow
     # if configured), named after the trial so a search's runs line up with trials.parquet
-    sp.set_dotted(raw, "tracking.run_name", os.path.basename(run_dir))
+    set_path(raw, "tracking.run_name", os.path.basename(run_dir))
     cfg = load_checked(raw=raw)
     _write_placement(run_dir)
     tracker = Tracker(cfg.rounds, attempt, earlier)
@@ -224,8 +226,7 @@ def _bump_attempts(run_dir: str) -> int:
             n = int(fh.read().strip() or 0)
     except (OSError, ValueError):
         n = 0
-    with open(path, "w") as fh:
-        fh.write(f"{n + 1}\n")
+    files.write_text(path, f"{n + 1}\n")
     return n + 1
 
 
@@ -253,10 +254,7 @@ def read_json(path: str):
 
 def write_json(path: str, obj) -> None:
     """Atomic: a trial killed mid-write leaves the previous file, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=1, default=_jsonable)
-    os.replace(tmp, path)
+    files.write_json(path, obj, indent=1, default=_jsonable)
 
 
 def _jsonable(v):

@@ -27,7 +27,7 @@ import threading
 import time
 
 from raysim.core.errors import UserError
-from raysim.core.files import WriteFailed
+from raysim.core.files import write_json
 from raysim.engine.datashards import dataset_domains
 
 LOCK = "raysim.lock"
@@ -53,8 +53,8 @@ class RunLock:
     def __enter__(self) -> "RunLock":
         os.makedirs(self.run_dir, exist_ok=True)
         for _ in range(3):  # a takeover races another taker at most once or twice
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:  # the lock appears whole (a hard link of a written file), or not at all
+                write_json(self.path, self.me, exclusive=True)
             except FileExistsError:
                 holder = _read_json(self.path)
                 gone = self._holder_gone(holder)
@@ -64,15 +64,6 @@ class RunLock:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.path)
                 continue
-            except OSError as err:
-                raise WriteFailed(self.path, err) from None
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    json.dump(self.me, fh)
-            except OSError as err:
-                with contextlib.suppress(OSError):
-                    os.remove(self.path)
-                raise WriteFailed(self.path, err) from None
             self._thread = threading.Thread(target=self._refresh, name="raysim-lock", daemon=True)
             self._thread.start()
             return self

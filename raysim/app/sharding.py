@@ -7,6 +7,7 @@ import json
 import posixpath
 
 from raysim.app.rundir import lodo_holdouts, with_holdout
+from raysim.core.files import write_bytes
 from raysim.data.shards import resolve_uri, write_shards
 from raysim.engine.datashards import FORMAT_VERSION, INDEX_FILE, fingerprint, holdout_dir
 
@@ -48,6 +49,6 @@ def write_federation_shards(cfg, uri: str, image_format: str = "raw", clients_pe
                 say(f"holdout {h}: {part.num_clients} {role} client(s) -> {path}")
     index = {"format_version": FORMAT_VERSION, "config": fp, "domains": list(ds.domains),
              "classes": list(ds.classes), "holdouts": holdouts}
-    with fs.open_output_stream(posixpath.join(root, INDEX_FILE)) as out:  # last: marks the folder complete
-        out.write(json.dumps(index, indent=1).encode())
+    # last: marks the folder complete
+    write_bytes(posixpath.join(root, INDEX_FILE), json.dumps(index, indent=1).encode(), filesystem=fs)
     return index

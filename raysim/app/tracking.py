@@ -33,8 +33,8 @@ import re
 import sys
 import time
 
-from raysim.core.errors import UserError
-from raysim.core.files import writing
+from raysim.core.errors import UserError, first_line
+from raysim.core.files import write_json, writing
 from raysim.engine.loop import Callback
 
 EVAL_SPLITS = ("val", "test")
@@ -120,11 +120,6 @@ def _warn(text: str) -> None:
     print(f"raysim: warning: {text}", file=sys.stderr, flush=True)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
-
-
 # ----------------------------------------------------------------------------- TensorBoard
 
 def _summary_writer():
@@ -166,7 +161,7 @@ class TensorBoardWriter(Callback):
             for summary in hparams(flat_config(self.cfg), metrics):
                 self.writer._get_file_writer().add_summary(summary)
         except Exception as err:  # the scalars matter more than the hparams table
-            _warn(f"TensorBoard hparams not written ({_first_line(err)})")
+            _warn(f"TensorBoard hparams not written ({first_line(err, with_type=True, limit=300)})")
 
     def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
         if self.writer is None or rnd <= self.recorded:  # a replayed round: recorded already
@@ -216,7 +211,7 @@ class MLflowLogger(Callback):
         except UserError:
             raise
         except Exception as err:
-            raise UserError(f"MLflow at tracking.mlflow_uri = {self.uri!r}: {_first_line(err)}") from None
+            raise UserError(f"MLflow at tracking.mlflow_uri = {self.uri!r}: {first_line(err, with_type=True, limit=300)}") from None
 
     def _open(self, resumed: bool) -> None:
         from mlflow.entities import Param, RunTag
@@ -228,7 +223,7 @@ class MLflowLogger(Callback):
                 self.run_id = state["run_id"]
                 return
             except Exception as err:
-                _warn(f"MLflow run {state['run_id']} not continued ({_first_line(err)}); starting a new one")
+                _warn(f"MLflow run {state['run_id']} not continued ({first_line(err, with_type=True, limit=300)}); starting a new one")
         cfg = self.cfg
         exp_id = _experiment_id(self.client, cfg.tracking.mlflow_experiment or cfg.name or "raysim")
         holdout = (cfg.data.partition or {}).get("holdout")
@@ -268,7 +263,7 @@ class MLflowLogger(Callback):
         try:
             fn()
         except Exception as err:
-            _warn(f"MLflow at {self.uri}: {what} not logged ({_first_line(err)}); the federation goes on "
+            _warn(f"MLflow at {self.uri}: {what} not logged ({first_line(err, with_type=True, limit=300)}); the federation goes on "
                   "without MLflow")
             self.run_id = None
 
@@ -302,10 +297,7 @@ def _read_state(run_dir: str) -> dict | None:
 
 def _write_state(run_dir: str, state: dict) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    tmp = os.path.join(run_dir, MLFLOW_STATE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(state, fh)
-    os.replace(tmp, os.path.join(run_dir, MLFLOW_STATE))
+    write_json(os.path.join(run_dir, MLFLOW_STATE), state, keep_error=True)  # on_start says what failed
 
 
 def log_report(cfg, run_dir: str) -> None:
@@ -330,4 +322,4 @@ def log_report(cfg, run_dir: str) -> None:
                 client.log_artifact(state["run_id"], path)
         except Exception as err:
             _warn(f"MLflow at {uri}: {', '.join(REPORT_ARTIFACTS)} not logged to run {state['run_id']} "
-                  f"({_first_line(err)})")
+                  f"({first_line(err, with_type=True, limit=300)})")

@@ -43,3 +43,18 @@ class TrainingDiverged(UserError):
 
     def __reduce__(self):  # survives the trip through Ray
         return (TrainingDiverged, (self.client_id, self.domain, self.round, float("nan")))
+
+
+
+def first_line(err: BaseException, *, limit: int | None = None, default: str | None = None,
+               with_type: bool = False) -> str:
+    """The error's first non-blank line, stripped: what a one-line message shows of it.
+
+    ``limit`` cuts it to that many characters; ``default`` stands in for a blank message (the
+    error's type name unless given); ``with_type`` gives ``Type: line`` (cut as a whole)."""
+    line = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), None)
+    if with_type:
+        line = f"{type(err).__name__}: {line or ''}"
+    elif line is None:
+        line = type(err).__name__ if default is None else default
+    return line if limit is None else line[:limit]

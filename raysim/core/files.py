@@ -1,8 +1,8 @@
 """File writes: one helper that every write under ``raysim/`` and ``raysim.tuning`` goes through.
 
-A file is written beside its final name (``NAME.<pid>.tmp``) and renamed into place, so a reader
-(another host, ``raysim report`` during a run, a resumed run) sees the old file or the new one,
-never half of one, and a failed write (no space, no permission, a read-only file system) leaves
+A file is written beside its final name (``NAME.<pid>-<tag>.tmp``) and renamed into place, so a
+reader (another host, ``raysim report`` during a run, a resumed run) sees the old file or the new
+one, never half of one, and a failed write (no space, no permission, a read-only file system) leaves
 the old file as it was, no temporary behind, and a one-line :class:`WriteFailed` naming the file.
 """
 from __future__ import annotations
@@ -11,35 +11,55 @@ import contextlib
 import errno as errno_codes
 import json
 import os
+import secrets
 from typing import Callable
 
 from raysim.core.errors import RunFailed
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[str], None], *, what: str | None = None,
-                     exclusive: bool = False, mode: int | None = None) -> None:
+                     exclusive: bool = False, mode: int | None = None, filesystem=None,
+                     keep_error: bool = False) -> None:
     """``write(tmp)`` writes the content to a temporary path, which then replaces ``path``.
 
     ``exclusive``: create ``path`` only where none exists (a lock file): a hard link, so it
     fails with FileExistsError, untranslated, if another writer got there first.
     ``mode``: the file's permission bits (default: what ``open`` gives under the umask).
-    ``what`` names the file in a WriteFailed (default: the path)."""
+    ``what`` names the file in a WriteFailed (default: the path).
+    ``keep_error``: raise the original error instead of a WriteFailed (a caller that names the
+    failure itself, as a checkpoint does for the several files of one round).
+    ``filesystem``: a ``pyarrow.fs.FileSystem`` (local, S3, GCS, ...) that ``write`` writes the
+    temporary object to and that moves it into place; ``exclusive`` and ``mode`` are for local
+    files only. On an object store a PUT is atomic already (a reader sees the old object or the
+    new one), so there the move, a copy and a delete, only keeps one code path for every store."""
+    if filesystem is not None and (exclusive or mode is not None):
+        raise ValueError("write_atomically: exclusive and mode are for local files, not a filesystem=")
     path = os.fspath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with writing(what or path):
+    # pid and a random tag: writers in other threads, processes or hosts (a shared cache) never
+    # share a temporary file
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    passing = (FileExistsError,) if exclusive else ()
+    with contextlib.nullcontext() if keep_error else writing(what or path, passing):
         try:
             write(tmp)
             if mode is not None:
                 os.chmod(tmp, mode)
-            if exclusive:
+            if filesystem is not None:
+                filesystem.move(tmp, path)
+            elif exclusive:
                 os.link(tmp, path)
-                os.remove(tmp)
             else:
                 os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.remove(tmp)
+                if filesystem is not None:
+                    filesystem.delete_file(tmp)
+                else:
+                    os.remove(tmp)
             raise
+        if exclusive:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def write_text(path: str | os.PathLike, text: str, **kw) -> None:
@@ -48,6 +68,14 @@ def write_text(path: str | os.PathLike, text: str, **kw) -> None:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(text)
     write_atomically(path, write, **kw)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, filesystem=None, **kw) -> None:
+    """``data`` as the file's whole content, atomically; on a ``pyarrow.fs`` ``filesystem`` too."""
+    def write(tmp):
+        with filesystem.open_output_stream(tmp) if filesystem is not None else open(tmp, "wb") as fh:
+            fh.write(data)
+    write_atomically(path, write, filesystem=filesystem, **kw)
 
 
 def write_json(path: str | os.PathLike, obj, *, indent: int | None = None, default=None, **kw) -> None:
@@ -70,12 +98,12 @@ class WriteFailed(RunFailed):
 
 
 @contextlib.contextmanager
-def writing(what: str):
+def writing(what: str, passing: tuple = ()):
     """Turn an OSError raised inside into a :class:`WriteFailed` naming ``what`` (a path, or
-    words such as "the checkpoint of round 4")."""
+    words such as "the checkpoint of round 4"); the OSError types in ``passing`` go through."""
     try:
         yield
-    except WriteFailed:
+    except (WriteFailed, *passing):
         raise
     except OSError as err:
         raise WriteFailed(what, err) from None

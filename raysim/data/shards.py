@@ -32,6 +32,7 @@ from raysim.data.augment import make_augment, preset_name
 from raysim.data.partition import Partition, client_data
 from raysim.data.splits import SPLITS, ArraySplit, resolve_normalization
 from raysim.core.errors import UserError
+from raysim.core.files import write_atomically, write_bytes
 
 FORMAT_VERSION = 1
 SCHEMA = pa.schema([
@@ -158,20 +159,28 @@ def write_shards(ds, part: Partition, uri_or_path, filesystem: pafs.FileSystem |
     meta = {b"raysim": json.dumps({"image_shape": [c, h, w], "image_format": image_format}).encode()}
     k = int(clients_per_file)
     for first in range(0, part.num_clients, k):
-        path = posixpath.join(root, _file_name(first))
-        with fs.open_output_stream(path) as out:
-            with pq.ParquetWriter(out, SCHEMA.with_metadata(meta)) as writer:
-                for cid in range(first, min(first + k, part.num_clients)):
-                    t = _client_table(ds, part, cid, image_format)
-                    if t.num_rows:  # one row group per client (none for an empty client)
-                        writer.write_table(t, row_group_size=max(t.num_rows, 1))
+        clients = range(first, min(first + k, part.num_clients))
+
+        def write_clients(tmp: str, clients=clients) -> None:
+            with fs.open_output_stream(tmp) as out:
+                with pq.ParquetWriter(out, SCHEMA.with_metadata(meta)) as writer:
+                    for cid in clients:
+                        t = _client_table(ds, part, cid, image_format)
+                        if t.num_rows:  # one row group per client (none for an empty client)
+                            writer.write_table(t, row_group_size=max(t.num_rows, 1))
+
+        write_atomically(posixpath.join(root, _file_name(first)), write_clients, filesystem=fs)
     index = pa.table({"client_id": np.arange(part.num_clients, dtype=np.int64),
                       **{s: np.asarray(part.all_num_samples(s), np.int64) for s in SPLITS}}, schema=INDEX_SCHEMA)
-    with fs.open_output_stream(posixpath.join(root, "index.parquet")) as out:
-        pq.write_table(index, out)
+
+    def write_index(tmp: str) -> None:
+        with fs.open_output_stream(tmp) as out:
+            pq.write_table(index, out)
+
+    write_atomically(posixpath.join(root, "index.parquet"), write_index, filesystem=fs)
     # the manifest last: a folder with a manifest is complete
-    with fs.open_output_stream(posixpath.join(root, "manifest.json")) as out:
-        out.write(json.dumps(manifest, indent=1, default=str).encode())
+    write_bytes(posixpath.join(root, "manifest.json"), json.dumps(manifest, indent=1, default=str).encode(),
+                filesystem=fs)
     return root
 
 

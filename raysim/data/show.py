@@ -6,8 +6,11 @@ switch), so it works headless and leaves the caller's matplotlib state alone.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from raysim.core.files import WriteFailed, write_atomically
 from raysim.data import load
 from raysim.data.splits import SPLITS
 from raysim.core.errors import UserError
@@ -35,6 +38,7 @@ def table(ds) -> str:
 
 def save_grid(ds, path, per_domain: int = 10, split: str = "train") -> None:
     """One row per domain: ``per_domain`` evenly spaced images of its ``split``, labelled."""
+    from matplotlib import rcParams
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -62,10 +66,13 @@ def save_grid(ds, path, per_domain: int = 10, split: str = "train") -> None:
     fig.suptitle(f"{ds.name} ({split})", fontsize=10)
     fig.subplots_adjust(left=1.1 / (per_domain + 1.2), right=0.99, bottom=0.02, top=1 - 0.45 / (rows * 1.1 + 0.3),
                         wspace=0.08, hspace=0.35)
+    # the temporary name ends in .tmp: the format comes from the final name, as savefig's would
+    image_format = os.path.splitext(os.fspath(path))[1][1:] or rcParams["savefig.format"]
     try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise UserError(f"cannot write grid image {path}: {e}") from None
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format=image_format),
+                         what=f"grid image {path}")
+    except WriteFailed as e:  # "cannot write grid image PATH: [Errno 13] Permission denied"
+        raise UserError(str(e)) from None
 
 
 def show(name: str, root=None, grid=None, seed: int = 0, per_domain: int = 10, **opts) -> str:

@@ -19,6 +19,7 @@ loads, unverified, with a one-line warning; anything else is refused.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +27,8 @@ import shutil
 
 import pyarrow.parquet as pq
 
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
+from raysim.core.files import write_atomically
 
 FORMAT_VERSION = 3  # 3: meta.json holds each file's SHA-256; 2: a client is {"state": ..., "trained": ...}
 READABLE_VERSIONS = (2, 3)  # 2 loads unverified (no checksums), with a warning
@@ -62,17 +64,15 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
     try:
         os.makedirs(tmp)
         for name, obj in (("server.pt", server_state), ("clients.pt", client_states)):
-            _save(torch, obj, os.path.join(tmp, name))
-        pq.write_table(metrics_table, os.path.join(tmp, "metrics.parquet"))
+            write_atomically(os.path.join(tmp, name), functools.partial(_save, torch, obj), keep_error=True)
+        write_atomically(os.path.join(tmp, "metrics.parquet"), lambda path: pq.write_table(metrics_table, path),
+                         keep_error=True)
         sha256 = {name: _digest_and_sync(os.path.join(tmp, name)) for name in _DATA_FILES}
         meta = {"format_version": FORMAT_VERSION, "round": rnd, "method": cfg.method,
                 "config": config_fingerprint(cfg), "clients": len(client_states), "sha256": sha256}
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as fh:
-            json.dump(meta, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())  # every file durable before the rename makes the folder visible
+        write_atomically(os.path.join(tmp, "meta.json"), functools.partial(_write_meta, meta), keep_error=True)
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        os.replace(tmp, final)  # the folder appears whole: the one rename outside raysim.core.files
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -80,6 +80,13 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
     for old in list_rounds(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, f"round-{old:06d}"), ignore_errors=True)
     return final
+
+
+def _write_meta(meta: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())  # every file durable before the rename makes the folder visible
 
 
 def _save(torch, obj, path: str) -> None:
@@ -167,7 +174,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
-        raise UserError(f"checkpoint file {meta_path} is unreadable ({_first_line(err)})") from None
+        raise UserError(f"checkpoint file {meta_path} is unreadable ({first_line(err, limit=200)})") from None
     version = meta.get("format_version")
     if version not in READABLE_VERSIONS:
         raise UserError(f"checkpoint {d} has format version {version!r}; this raysim reads versions "
@@ -191,7 +198,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
             try:
                 ok = _digest(path) == sha256[name]
             except OSError as err:
-                raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+                raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
             if not ok:
                 raise UserError(f"checkpoint file {path} is unreadable: damaged (its SHA-256 is not "
                                 "the one meta.json recorded)")
@@ -203,7 +210,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
         try:
             out[key] = torch.load(path, weights_only=True)
         except Exception as err:  # truncated, corrupted, or not a checkpoint at all
-            raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+            raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
         where = _non_finite(out[key], torch)
         if where is not None:
             if sha256 is None:
@@ -216,7 +223,7 @@ def read(run_dir: str, rnd: int, cfg, warn=None) -> dict:
     try:
         out["metrics"] = pq.read_table(path)
     except Exception as err:
-        raise UserError(f"checkpoint file {path} is unreadable ({_first_line(err)})") from None
+        raise UserError(f"checkpoint file {path} is unreadable ({first_line(err, limit=200)})") from None
     return out
 
 
@@ -253,11 +260,6 @@ def latest(run_dir: str, cfg, warn=print) -> dict | None:
             then = "trying the previous checkpoint" if i else "no checkpoint left: starting again from round 1"
             warn(f"raysim: warning: {err}; {then}")
     return None
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
 
 
 def intact(run_dir: str) -> str:

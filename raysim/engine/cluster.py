@@ -16,8 +16,8 @@ import os
 import re
 import time
 
-from raysim.core.errors import TrainingDiverged, UserError
-from raysim.core.files import writing
+from raysim.core.errors import TrainingDiverged, UserError, first_line
+from raysim.core.files import write_json
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
@@ -92,7 +92,7 @@ def join_cluster(address: str) -> None:
                         "RAY_AUTH_TOKEN or ~/.ray/auth_token (or set RAY_AUTH_MODE=disabled for a cluster "
                         "without authentication)") from None
     except (ConnectionError, ValueError, RuntimeError) as err:
-        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {first_line(err)}") from None
 
 
 def _token_auth() -> None:
@@ -213,8 +213,6 @@ def owner_of(num_hosts: int):
 def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
     """``hosts.json``: one entry per host, with the Ray node it was placed on and its client ids as
     ``client_range: [start, stop, step]`` (client k lives on host k mod H)."""
-    import json
-
     import ray
 
     addresses = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
@@ -224,11 +222,8 @@ def write_hosts(run_dir: str, ready: list[dict], num_clients: int) -> None:
         hosts.append({**info, "node_ip": addresses.get(info.get("node_id")),
                       "client_range": [h, num_clients, len(ready)]})
     nodes = sorted({i.get("node_id") for i in ready if i.get("node_id")})
-    path = os.path.join(run_dir, "hosts.json")
-    with writing(path):
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump({"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, fh, indent=1)
-        os.replace(path + ".tmp", path)
+    write_json(os.path.join(run_dir, "hosts.json"),
+               {"num_hosts": len(ready), "num_nodes": len(nodes), "hosts": hosts}, indent=1)
 
 
 def ray_get(refs):
@@ -241,7 +236,7 @@ def ray_get(refs):
         if isinstance(cause, TrainingDiverged):
             raise cause from None
         if isinstance(cause, UserError):
-            raise UserError(str(cause).splitlines()[0]) from None
+            raise UserError(first_line(cause)) from None
         raise
 
 
@@ -252,11 +247,6 @@ def alive(actor, timeout: float = 30.0) -> bool:
         return True
     except Exception:
         return False
-
-
-def first_line(err: Exception) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(err).__name__
 
 
 def server_placement():

@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 
 from raysim.data.shards import read_index, resolve_uri, read_manifest, read_shard
 from raysim.data.splits import SPLITS
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
 
 INDEX_FILE = "federation.json"
 FORMAT_VERSION = 1
@@ -54,7 +54,7 @@ def _read_json(fs, path: str, what: str) -> dict:
         with fs.open_input_stream(path) as f:
             return json.loads(f.read().decode())
     except (FileNotFoundError, OSError, ValueError) as e:
-        raise UserError(f"data.shards: {path} cannot be read ({str(e).splitlines()[0]}); {what}") from None
+        raise UserError(f"data.shards: {path} cannot be read ({first_line(e)}); {what}") from None
 
 
 def open_index(uri: str) -> tuple[pafs.FileSystem, str, dict]:

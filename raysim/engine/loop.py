@@ -13,7 +13,6 @@ driver or server costs at most that much work.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, RunFailed
 from raysim.engine.metrics import MetricsLog
-from raysim.core.files import WriteFailed, describe, free_space_note, writing
+from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
 from raysim.engine.backend import RayActors
 from raysim.engine.balance import plan_for
 from raysim.engine.cluster import owner_of, plain_reason
@@ -423,17 +422,7 @@ def split_by_host(client_ids, owner) -> dict[int, list[int]]:
 
 
 def _write_status(run_dir: str, **status) -> None:
-    path = os.path.join(run_dir, "status.json")
-    with writing(path):
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(status, fh)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+    write_json(os.path.join(run_dir, "status.json"), status)
 
 
 def _warn(text: str) -> None:

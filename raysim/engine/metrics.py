@@ -10,14 +10,13 @@ training loss are federation-level rows too.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raysim.core.files import writing
+from raysim.core.files import write_atomically
 
 COLUMNS = ("round", "client", "domain", "split", "metric", "value")
 SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
@@ -59,17 +58,10 @@ class MetricsLog:
         return list(zip(*(self._cols[c][i:] for c in COLUMNS)))
 
     def write(self, path: str) -> None:
-        """Into ``path.tmp``, renamed into place: a failed write leaves the previous file as it was
-        (and no ``.tmp``); its error is a one-line WriteFailed naming the file."""
-        tmp = f"{path}.tmp"
-        with writing(path):
-            try:
-                pq.write_table(self.table(), tmp)
-                os.replace(tmp, path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                raise
+        """Atomically (:func:`~raysim.core.files.write_atomically`): a failed write leaves the
+        previous file as it was (and no ``.tmp``); its error is a one-line WriteFailed naming the file."""
+        table = self.table()
+        write_atomically(path, lambda tmp: pq.write_table(table, tmp))
 
     # ------------------------------------------------------------------ rows from results
     def add_round(self, rnd: int, summary: dict, domain_of=None) -> None:

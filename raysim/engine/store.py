@@ -29,6 +29,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from raysim.core.files import write_atomically
 from raysim.core.tensors import leaves, to_device
 
 _ALIGN = 16  # every tensor starts at a multiple of the largest element size
@@ -225,10 +226,7 @@ class ClientStateStore:
         self.bytes_in_memory -= self._sizes.pop(client_id)
         if isinstance(state, Packed):
             state = unpack(state, copy=True)
-        path = self._path(client_id)
-        tmp = path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        write_atomically(self._path(client_id), lambda tmp: torch.save(state, tmp))
         self._on_disk.add(client_id)
         self.spills += 1
 
