@@ -9,6 +9,7 @@ import os
 import sys
 import typing
 
+from raysim.core.errors import first_line
 from raysim.app.rundir import read_yaml_dict
 from raysim.app.tables import markdown_table
 
@@ -210,7 +211,7 @@ def catalog_markdown() -> str:
         try:
             cls = registry.get(name)
         except Exception as err:  # an optional method that fails to import: list it, say why
-            rows.append([name, f"(cannot import: {str(err).splitlines()[0] if str(err) else type(err).__name__})",
+            rows.append([name, f"(cannot import: {first_line(err)})",
                          "", "", "", ""])
             continue
         rows.append([name, cls.paper or "–", shares_line(name, cls), "yes" if cls.exchanges else "no",

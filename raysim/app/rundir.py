@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from raysim.core.errors import UserError
+from raysim.core.errors import UserError, first_line
 from raysim.core.files import write_json
 from raysim.engine.datashards import dataset_domains
 
@@ -371,7 +371,7 @@ def read_metrics(folder: str):
     try:
         table = pq.read_table(path)
     except Exception as err:  # a corrupted or truncated file
-        raise UserError(f"cannot read {path}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot read {path}: {first_line(err)}") from None
     missing = [c for c in COLUMNS if c not in table.column_names]
     if missing:
         raise UserError(f"{path} is not a raysim metrics file: it lacks the column(s) {', '.join(missing)} "
@@ -380,7 +380,7 @@ def read_metrics(folder: str):
         return table.select(list(COLUMNS)).cast(SCHEMA).to_pandas()
     except Exception as err:  # e.g. value stored as text
         raise UserError(f"{path} is not a raysim metrics file: its columns do not convert to "
-                        f"{SCHEMA.to_string().replace(chr(10), ', ')} ({str(err).splitlines()[0]})") from None
+                        f"{SCHEMA.to_string().replace(chr(10), ', ')} ({first_line(err)})") from None
 
 
 def _warn(text: str) -> None:
