@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from raysim.core.aggregation import AllUploads, KeepAll, Mean, WeightedMean, weighted_mean
-from raysim.config import TrainConfig, load_config
-from raysim.core.contract import ClientContext, Method, Upload
+from raysim.config import load_config
+from raysim.core.contract import Method, Upload
 from raysim.core.errors import TrainingDiverged, UserError
 from raysim.app.experiment import federation
 from raysim.core.hparams import Hparams
@@ -21,6 +21,7 @@ from raysim.methods import registry
 from raysim.engine.backend import InProcess
 from raysim.engine.loop import Callback
 from raysim.core.settings import setting
+from raysim.testing import client_context, fixed_batches
 
 BASE = {
     "rounds": 3, "seed": 2,
@@ -193,24 +194,13 @@ def test_profiles_from_the_config_reach_setup_and_context(ray_session, tmp_path)
 
 # ----------------------------------------------------------------------------- loop primitives
 
-class Numbers:
-    """Training data of fixed batches (no shuffling needed to compute by hand)."""
-
-    def __init__(self, batches):
-        self._b = batches
-        self.num_train = sum(len(y) for _, y in batches)
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        return iter(self._b)
-
-
 def context(batches, **train):
     model = torch.nn.Linear(1, 2, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    return ClientContext(client_id=3, domain="d", round=2, model=model, payload={}, state={},
-                         data=Numbers(batches), train=TrainConfig(**{"batch_size": 2, "lr": 0.5, **train}), lr=0.5,
-                         generator=torch.Generator(), device=torch.device("cpu"))
+    # training data of fixed batches (no shuffling needed to compute by hand)
+    return client_context(None, model, fixed_batches(*batches), client_id=3, round=2, domain="d",
+                          train={"batch_size": 2, "lr": 0.5, **train}, lr=0.5)
 
 
 def test_step_and_stats_by_hand():

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.core.aggregation import Mean, WeightedMean
-from raysim.config import ModelConfig, TrainConfig
-from raysim.core.contract import ClientContext, Setup, Upload, sgd_step
+from raysim.config import TrainConfig
+from raysim.core.contract import Upload, sgd_step
 from raysim.core.errors import UserError
 from raysim.methods.ditto import Ditto, personal_objective
 from raysim.methods.feddyn import FedDyn, dynamic_regularizer, server_step
@@ -19,11 +18,12 @@ from raysim.methods.moon import MOON, model_contrastive_loss
 from raysim.methods.partialfed import PartialFed, kept_keys
 from raysim.methods.scaffold import DELTA_C, Scaffold, control_update, correction
 from raysim.models import build
+from raysim import testing
+from raysim.testing import client_context, fixed_batches, random_client_data
 
 
 def setup(n=2, **kw):
-    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
-                 model=ModelConfig(name="small_cnn", norm="bn"), train=TrainConfig(), rounds=3, seed=0, **kw)
+    return testing.setup(num_clients=n, **kw)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN, 3 rounds
 
 
 def small(seed=0):
@@ -31,22 +31,9 @@ def small(seed=0):
     return build("small_cnn", num_classes=3, in_channels=1, input_size=8, norm="bn")
 
 
-class Data:
-    def __init__(self, n=8, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.x, self.y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-        self.num_train = n
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(len(self.y), generator=generator)
-        for i in range(0, len(order), batch_size):
-            yield self.x[order[i:i + batch_size]], self.y[order[i:i + batch_size]]
-
-
 def context(method, model, payload, state, cid=0, rnd=2, lr=0.1, epochs=1, data=None):
-    return ClientContext(client_id=cid, domain="a", round=rnd, model=model, payload=payload, state=state,
-                         data=data or Data(seed=cid), train=TrainConfig(epochs=epochs, batch_size=4, lr=lr),
-                         lr=lr, generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+    return client_context(method, model, data or random_client_data(seed=cid), client_id=cid, round=rnd,
+                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
 
 
 class Scalar(nn.Module):
@@ -105,7 +92,7 @@ def test_scaffold_client_step_is_sgd_on_the_corrected_gradient_and_option_two():
     ref.train()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     steps = 0
-    for xb, yb in Data(seed=0).batches(4, torch.Generator().manual_seed(7), "cpu"):
+    for xb, yb in random_client_data(seed=0).batches(4, torch.Generator().manual_seed(7), "cpu"):
         opt.zero_grad()
         F.cross_entropy(ref(xb), yb).backward()
         for k, p in ref.named_parameters():
@@ -133,15 +120,6 @@ def test_scaffold_server_divides_the_variate_by_all_clients_and_steps_eta_g():
         Scaffold.hparams_from({"option": "III"})
 
 
-class NoBatches:
-    """A client whose epoch has no batch: a round on a ``meta`` model takes no step (a meta
-    tensor has no values for a loss to be read from)."""
-    num_train = 0
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        return iter(())
-
-
 def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_model_device():
     """The server's c and each c_i live on the CPU whatever device trains; a round's drift c - c_i,
     option II's c_i+ and Delta c_i are computed on ctx.device. The simulated accelerator of
@@ -156,9 +134,10 @@ def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_m
         payload, state = m.broadcast(server, 1), m.init_client_state(0, model)
         for variates in (server["c"], payload["c"], state["c"]):
             assert variates and set(devices(variates).values()) == {"cpu"}
-        ctx = ClientContext(client_id=0, domain="a", round=1, model=model, payload=payload, state=state,
-                            data=NoBatches(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
-                            generator=torch.Generator().manual_seed(7), device=device)
+        # a client whose epoch has no batch: a round on a ``meta`` model takes no step (a meta
+        # tensor has no values for a loss to be read from)
+        ctx = client_context(m, model, fixed_batches(), payload=payload, state=state,
+                             train=TrainConfig(batch_size=4, lr=0.1), seed=7, device=device)
         up = m.local_update(ctx)
         assert set(devices({k: up.tensors[DELTA_C + k] for k in state["c"]}).values()) == {"accelerator"}
         assert set(ctx.state["c"]) == set(state["c"]) and set(devices(ctx.state["c"]).values()) == {"cpu"}
@@ -174,7 +153,7 @@ def test_scaffold_option_two_uses_the_steps_taken_and_this_rounds_lr():
     c = {k: 0.01 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
     c_i = {k: 0.02 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
     ctx = context(m, model, {"global": x, "c": c}, {"c": {k: v.clone() for k, v in c_i.items()}}, lr=0.05, epochs=2,
-                  data=Data(n=6))
+                  data=random_client_data(num_train=6))
     ctx.train = TrainConfig(epochs=2, batch_size=4, lr=0.1)  # the undecayed lr
     up = m.local_update(ctx)
     assert up.metrics["steps"] == 4
@@ -282,7 +261,7 @@ def test_moon_previous_model_is_its_own_last_local_model_every_round():
     state = m.init_client_state(0, model)
     for rnd in (1, 2):
         model.load_state_dict(glob)
-        up = m.local_update(context(m, model, {"global": glob}, state, rnd=rnd, data=Data(n=4)))
+        up = m.local_update(context(m, model, {"global": glob}, state, rnd=rnd, data=random_client_data(num_train=4)))
         assert ("con_loss" in up.metrics) == (rnd > 1)
         assert all(torch.equal(state["previous"][k], up.tensors[k]) for k in up.tensors), rnd
         assert not torch.equal(state["previous"]["head.weight"], glob["head.weight"])
@@ -317,7 +296,7 @@ def test_ditto_anchors_the_personal_model_to_the_received_global_model():
     ref.train()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     anchor = {k: received[k] for k, _ in ref.named_parameters()}
-    for xb, yb in Data(seed=0).batches(4, torch.Generator().manual_seed(7), "cpu"):
+    for xb, yb in random_client_data(seed=0).batches(4, torch.Generator().manual_seed(7), "cpu"):
         sgd_step(personal_objective(F.cross_entropy(ref(xb), yb), dict(ref.named_parameters()), anchor, 0.5), opt)
     for k, t in ref.state_dict().items():
         assert torch.allclose(ctx.state["v"][k].float(), t.float(), atol=1e-6), k
@@ -336,7 +315,7 @@ def test_ditto_post_train_state_is_the_personal_model():
     gen = torch.Generator().manual_seed(6)
     v0 = {k: v + 0.05 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone()
           for k, v in received.items()}
-    ctx = context(m, model, {"global": received}, {"v": v0}, data=Data(n=4))
+    ctx = context(m, model, {"global": received}, {"v": v0}, data=random_client_data(num_train=4))
     m.local_update(ctx)
     post = m.post_train_state(ctx)
     assert set(post) == set(ctx.state["v"]) and all(torch.equal(post[k], ctx.state["v"][k]) for k in post)
@@ -416,7 +395,7 @@ def test_partialfed_uploads_the_kept_layers_and_the_server_averages_them():
         own = {k: v + 0.1 * (cid + 1) if v.is_floating_point() else v.clone() for k, v in glob.items()}
         state = {"model": own}
         m.load_client_model(model, {"global": glob}, state)
-        up = m.local_update(context(m, model, {"global": glob}, state, cid=cid, data=Data(n=4, seed=cid)))
+        up = m.local_update(context(m, model, {"global": glob}, state, cid=cid, data=random_client_data(num_train=4, seed=cid)))
         assert set(up.tensors) == set(model.state_dict()) and kept <= set(up.tensors)
         heads.append((up.tensors["head.weight"].clone(), up.weight))
         agg.add(part, cid, up)

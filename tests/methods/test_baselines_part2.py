@@ -5,20 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.models import from_setup
 from raysim.core.aggregation import AllUploads, Mean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.core.contract import Setup, Upload
+from raysim.core.contract import Upload
 from raysim.methods.fedfa import FFALayer, FedFA
 from raysim.models.blocks import block_ends
 from raysim.methods.fedheal import FedHEAL
 from raysim.methods.fpl import FPL, cluster_prototypes, finch, prototype_losses
 from raysim.models import build
+from raysim import testing
 
 
 def setup(name="small_cnn", n=3, size=16):
-    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, size, size), num_clients=n, client_domains=("a",) * n,
-                 model=ModelConfig(name=name, norm="bn"), train=TrainConfig(), rounds=3, seed=0)
+    return testing.setup(image_shape=(1, size, size), num_clients=n, model=ModelConfig(name=name, norm="bn"))
 
 
 # ----------------------------------------------------------------------------- FedHEAL
@@ -221,15 +220,12 @@ class _Augmented:
 def test_fpl_local_prototypes_come_from_the_last_epoch():
     """features = flatten (no parameters: z = the image), E = 2: p_c = the class mean of the second
     pass's images, i.e. of x + 10 (both passes would give x + 5)."""
-    from raysim.core.contract import ClientContext
     from raysim.models.base import Net
     m = FPL(FPL.Hparams(), setup())
     model = Net(torch.nn.Flatten(), torch.nn.Linear(4, 3), (1, 2, 2))
     data = _Augmented()
-    ctx = ClientContext(client_id=0, domain="a", round=1, model=model,
-                        payload={"protos": torch.zeros(0, 4), "proto_labels": torch.zeros(0, dtype=torch.long)},
-                        state={}, data=data, train=TrainConfig(epochs=2, batch_size=4, lr=0.1), lr=0.1,
-                        generator=torch.Generator().manual_seed(0), device=torch.device("cpu"))
+    ctx = testing.client_context(m, model, data, state={}, train=TrainConfig(epochs=2, batch_size=4, lr=0.1),
+                                 payload={"protos": torch.zeros(0, 4), "proto_labels": torch.zeros(0, dtype=torch.long)})
     up = m.local_update(ctx)
     assert data.passes == 2 and up.extras["classes"].tolist() == [0, 1, 2]
     expected = torch.stack([data.x[data.y == c].flatten(1).mean(0) + 10.0 for c in range(3)])

@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.core.aggregation import AllUploads, KeepAll, Mean
-from raysim.config import ModelConfig, TrainConfig
-from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.config import TrainConfig
+from raysim.core.contract import Upload
 from raysim.core.errors import UserError
 from raysim.methods.copa import COPA, IBN, copa_loss, ensemble_log_probs, make_ibn
 from raysim.methods.fedadg import (DISC, FedADG, FedADGNet, discriminator_loss, feature_loss, generator_loss,
@@ -21,44 +20,21 @@ from raysim.methods.feddg_ga import FedDGGA, adjust_weights, step_size
 from raysim.methods.fedsr import REFERENCE, FedSR, cmi_term, l2r_term, mc_log_predict
 from raysim.models import build
 from raysim.models.base import Net
+from raysim import testing
+from raysim.testing import client_context, fixed_batches, random_client_data
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def setup(n=3, rounds=10):
-    return Setup(model_builder=from_setup, num_classes=3, image_shape=(1, 8, 8), num_clients=n, client_domains=("a",) * n,
-                 model=ModelConfig(name="small_cnn", norm="bn"), train=TrainConfig(), rounds=rounds, seed=0)
-
-
-class Split:
-    def __init__(self, n=8, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.x, self.y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(len(self.y), generator=generator)
-        for i in range(0, len(order), batch_size):
-            yield self.x[order[i:i + batch_size]], self.y[order[i:i + batch_size]]
-
-    def eval_batches(self, batch_size, device):
-        for i in range(0, len(self.y), batch_size):
-            yield self.x[i:i + batch_size], self.y[i:i + batch_size]
-
-
-class Data:
-    def __init__(self, n=8, seed=0):
-        self.train, self.val = Split(n, seed), Split(6, seed + 100)
-        self.num_train = n
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        return self.train.batches(batch_size, generator, device, drop_last)
+    return testing.setup(num_clients=n, rounds=rounds)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN
 
 
 def context(model, payload, state, cid=0, rnd=1, lr=0.1, epochs=1):
-    return ClientContext(client_id=cid, domain="a", round=rnd, model=model, payload=payload, state=state,
-                         data=Data(seed=cid), train=TrainConfig(epochs=epochs, batch_size=4, lr=lr),
-                         lr=lr, generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+    """8 training and 6 validation images of client ``cid`` (seeded with it)."""
+    return client_context(None, model, random_client_data(seed=cid, num_val=6), client_id=cid, round=rnd,
+                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
 
 
 def global_rng():
@@ -76,19 +52,10 @@ def init_weights(model, seed=0):
             p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-class Batch:
-    """One fixed batch per epoch (no shuffling): the data of the hand-computed client steps."""
-    def __init__(self, x, y):
-        self.x, self.y, self.num_train, self.val = x, y, len(y), None
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        yield self.x, self.y
-
-
 def one_batch_context(model, data, state=None, epochs=1, lr=0.1):
-    return ClientContext(client_id=0, domain="a", round=1, model=model, payload={}, state=state or {}, data=data,
-                         train=TrainConfig(epochs=epochs, batch_size=len(data.y), lr=lr), lr=lr,
-                         generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+    """``data``: one fixed batch per epoch (no shuffling), the data of the hand-computed client steps."""
+    return client_context(None, model, data, state=state or {},
+                          train=TrainConfig(epochs=epochs, batch_size=data.num_train, lr=lr), seed=7)
 
 
 # ----------------------------------------------------------------------------- FedSR (5.1)
@@ -137,7 +104,7 @@ def test_fedsr_default_l2r_is_the_codes_unsquared_norm():
     for form, l2r, moved in ((None, 5.0, [2.9994, 3.9992]), ("squared", 25.0, [2.994, 3.992])):
         m, model = fedsr_fixed_encoder({"alpha_cmi": 0.0, **({"l2r": form} if form else {})}, (3.0, 4.0), 0.0)
         model.noise = lambda shape, like, generator: torch.zeros(shape)
-        up = m.local_update(one_batch_context(model, Batch(torch.zeros(4, 1, 8, 8), y)))
+        up = m.local_update(one_batch_context(model, fixed_batches((torch.zeros(4, 1, 8, 8), y))))
         assert up.metrics["l2r"] == pytest.approx(l2r)
         assert model.features[-1].bias[:2].tolist() == pytest.approx(moved, abs=1e-6)
 
@@ -150,7 +117,7 @@ def test_fedsr_trains_the_classifier_on_a_sampled_z():
     m, model = fedsr_fixed_encoder({"alpha_l2r": 0.0, "alpha_cmi": 0.0}, (0.0, 0.0), 0.5)
     s = float(F.softplus(torch.tensor(0.5)))
     model.noise = lambda shape, like, generator: torch.ones(shape)
-    m.local_update(one_batch_context(model, Batch(torch.zeros(4, 1, 8, 8), torch.tensor([0, 0, 1, 2]))))
+    m.local_update(one_batch_context(model, fixed_batches((torch.zeros(4, 1, 8, 8), torch.tensor([0, 0, 1, 2])))))
     expected = [[0.1 * s / 6] * 2, [-0.1 * s / 12] * 2, [-0.1 * s / 12] * 2]
     assert model.head.weight.tolist() == [pytest.approx(row, abs=1e-7) for row in expected]
 
@@ -281,7 +248,7 @@ def test_feddg_ga_client_uploads_the_gap_of_the_received_model():
     theta1 = {k: v.clone() for k, v in up.tensors.items()}
     theta1["head.bias"] = torch.tensor([10.0, 0.0, 0.0])  # theta^1 predicts class 0 everywhere
     model.load_state_dict(theta1)
-    acc0 = float((Data(seed=0).val.y == 0).float().mean())
+    acc0 = float((random_client_data(seed=0, num_val=6).val.y == 0).float().mean())
     up2 = m.local_update(context(model, {"global": theta1}, ctx.state, rnd=2))
     assert up2.extras["gap"] == pytest.approx(acc0 - before)
     # a client that skipped round 2 measures no gap in round 3 (theta^2 does not hold its model)
@@ -405,7 +372,7 @@ def tiny_fedadg(hp: dict):
     with torch.no_grad():
         head.weight.zero_(), head.bias.copy_(torch.tensor([math.log(2), 0.0, 0.0]))
     model = FedADGNet(Net(nn.Sequential(nn.Flatten(), nn.BatchNorm1d(2)), head, (1, 1, 2)), 4, seed=0)
-    data = Batch(torch.tensor([[1.0, 3.0], [3.0, 5.0]]).view(2, 1, 1, 2), torch.tensor([0, 1]))
+    data = fixed_batches((torch.tensor([[1.0, 3.0], [3.0, 5.0]]).view(2, 1, 1, 2), torch.tensor([0, 1])))
     return m, model, data
 
 

@@ -7,10 +7,8 @@ import torch
 import yaml
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.core.aggregation import Mean
 from raysim.config import ModelConfig, TrainConfig
-from raysim.core.contract import Setup
 from raysim.core.errors import UserError
 from raysim.methods.ccst import CCST, StyleSums, adain, adain_decoder, vgg_to_relu4_1
 from raysim.methods.elcfs import (ELCFS, amplitude_window, boundary_loss, episodic_loss, half_width, inner_step,
@@ -18,11 +16,11 @@ from raysim.methods.elcfs import (ELCFS, amplitude_window, boundary_loss, episod
 from raysim.methods.mixstyle import FedAvgMixStyle, MixStyle, mix_styles
 from raysim.methods.rsc import FedAvgRSC, batch_select, challenge_mask, conv_split, rsc_mask
 from raysim.models.base import Net
+from raysim import testing
 
 
 def setup(name="small_cnn", channels=1, size=16, n=3):
-    return Setup(model_builder=from_setup, num_classes=3, image_shape=(channels, size, size), num_clients=n, client_domains=("a",) * n,
-                 model=ModelConfig(name=name, norm="bn"), train=TrainConfig(), rounds=3, seed=0)
+    return testing.setup(image_shape=(channels, size, size), num_clients=n, model=ModelConfig(name=name, norm="bn"))
 
 
 # ----------------------------------------------------------------------------- ELCFS
@@ -120,7 +118,6 @@ class _Pixels:
 def test_elcfs_client_never_draws_its_own_spectra():
     """A client draws from the *other* clients' spectra: with only its own in the bank it trains on
     L_in alone (FedAvg's step, the same batches); another client's spectra make the step episodic."""
-    from raysim.core.contract import ClientContext
     from raysim.methods.fedavg import FedAvg
     m = ELCFS(ELCFS.Hparams(), setup(size=8))
     model = m.build_model()
@@ -129,9 +126,8 @@ def test_elcfs_client_never_draws_its_own_spectra():
 
     def step(method, bank):
         model.load_state_dict(start)
-        ctx = ClientContext(client_id=0, domain="a", round=2, model=model, payload={"global": start, "bank": bank},
-                            state={"uploaded": True}, data=_Pixels(), train=TrainConfig(batch_size=4, lr=0.1), lr=0.1,
-                            generator=torch.Generator().manual_seed(7), device=torch.device("cpu"))
+        ctx = testing.client_context(method, model, _Pixels(), round=2, payload={"global": start, "bank": bank},
+                                     state={"uploaded": True}, train=TrainConfig(batch_size=4, lr=0.1), seed=7)
         return {k: v.clone() for k, v in method.local_update(ctx).tensors.items()}
     fedavg = step(FedAvg(FedAvg.Hparams(), setup(size=8)), {})
     alone = step(m, {0: own})
