@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raysim.core.aggregation import AllUploads, KeepAll, Mean, WeightedMean, weighted_mean
+from raysim.core.aggregation import Mean
 from raysim.config import load_config
-from raysim.core.contract import Method, Upload
+from raysim.core.contract import Method
 from raysim.core.errors import TrainingDiverged, UserError
 from raysim.app.experiment import federation
 from raysim.core.hparams import Hparams
@@ -245,28 +245,6 @@ def test_a_diverged_loss_is_reported_at_the_end_of_the_epoch():
             ctx.step(F.cross_entropy(ctx.model(xb), yb) * (math.nan if steps == 1 else 1.0), opt)
             steps += 1
     assert steps == 3  # the epoch finished: no sync inside it
-
-
-# ----------------------------------------------------------------------------- aggregators and the weighted mean
-
-def test_aggregators_by_hand():
-    a = Upload({"w": torch.tensor([1.0, 4.0]), "n": torch.tensor(3)}, 1.0, extras={"p": 1})
-    b = Upload({"w": torch.tensor([5.0, 0.0]), "n": torch.tensor(6)}, 3.0)
-    mean = WeightedMean()
-    one, two = mean.start(), mean.start()
-    mean.add(one, 4, a)
-    mean.add(two, 1, b)
-    out = mean.reduce([one, two])
-    assert torch.equal(out.mean["w"], torch.tensor([4.0, 1.0])) and out.mean["n"] == 5  # (3 + 18) / 4 = 5.25
-    assert out.mean["n"].dtype == torch.int64 and out.clients == [1, 4] and out.extras == {4: {"p": 1}}
-    keep = KeepAll()
-    p = keep.start()
-    keep.add(p, 4, a)
-    keep.add(p, 1, b)
-    everything = keep.reduce([p])
-    assert isinstance(everything, AllUploads) and everything.clients == [1, 4] and everything.total_weight == 4.0
-    assert weighted_mean([({"w": torch.tensor([2.0])}, 0.25), ({"w": torch.tensor([6.0])}, 0.75)], total=1.0)["w"] \
-        == torch.tensor([5.0])
 
 
 # ----------------------------------------------------------------------------- settings declared once
