@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	# tmux: tests/engine/test_progress.py checks the live progress table as a terminal shows it
+	# tmux: tests/app/test_progress.py checks the live progress table as a terminal shows it
 	# (skipped without it); installed when missing and apt-get can (root), never fatal.
 	command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || true
 	$(PIP) --no-compile -e '.[test]'

@@ -6,7 +6,7 @@ authors read with ``np.load(path, allow_pickle=True)``; a pickle can name any fu
 while it loads, so a tampered download would run code. raysim reads them with an unpickler that
 resolves only what numpy arrays, numpy scalars and dtypes are built from (tuples, lists, strings
 and numbers need no lookup); a file naming anything else is refused, before anything runs.
-``np.load(allow_pickle=True)`` is used nowhere (tests/engine/test_safe_loads.py checks).
+``np.load(allow_pickle=True)`` is used nowhere (tests/test_safe_loads.py checks).
 
 A ``.npy`` file of a plain dtype is read by ``np.load(allow_pickle=False)``; one holding Python
 objects (``dtype=object``) stores a pickle after its header, which goes through the same unpickler.

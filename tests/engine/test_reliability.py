@@ -17,7 +17,6 @@ from raysim.cli import main
 from raysim.config import load_config
 from raysim.core.errors import Interrupted, RunFailed, UserError
 from raysim.app.experiment import federation, resume_config
-from raysim.engine.metrics import MetricsLog
 from raysim.engine.backend import InProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -261,41 +260,3 @@ def test_a_full_disk_is_one_line_with_what_is_intact_and_the_folder_resumes(smal
 def test_resume_refuses_a_changed_config(tmp_path):
     with pytest.raises(UserError, match="only runtime.\\* overrides are allowed"):
         resume_config(str(tmp_path), ["train.lr=0.1"])
-
-
-def _write_two(tmp_path):
-    c = cfg()
-    log = MetricsLog()
-    log.add(1, -1, "ALL", "test", "accuracy", 0.5)
-    for rnd in (2, 4):
-        checkpoint.write(str(tmp_path), rnd, c, {"global": {"w": torch.full((64,), float(rnd))}},
-                         {0: {"personal": {"b": torch.ones(3) * rnd}}}, log.table(), keep=2)
-    return c
-
-
-@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.5, 0.99])
-@pytest.mark.parametrize("victim", ["server.pt", "clients.pt", "metrics.parquet", "meta.json"])
-def test_truncated_checkpoint_is_a_clear_error_and_the_previous_one_loads(tmp_path, victim, fraction):
-    c = _write_two(tmp_path)
-    path = tmp_path / "checkpoints" / "round-000004" / victim
-    data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(UserError, match=f"checkpoint file .*round-000004/{victim} is unreadable"):
-        checkpoint.read(str(tmp_path), 4, c)
-    warnings = []
-    got = checkpoint.latest(str(tmp_path), c, warn=warnings.append)
-    assert got["round"] == 2 and torch.equal(got["server"]["global"]["w"], torch.full((64,), 2.0))
-    assert len(warnings) == 1 and victim in warnings[0]
-
-
-def test_checkpoint_of_another_config_is_refused(tmp_path):
-    _write_two(tmp_path)
-    with pytest.raises(UserError, match="written by a different config"):
-        checkpoint.read(str(tmp_path), 4, cfg("train.lr=0.2"))
-
-
-def test_keep_only_the_newest(tmp_path):
-    _write_two(tmp_path)
-    c = cfg()
-    checkpoint.write(str(tmp_path), 6, c, {}, {}, MetricsLog().table(), keep=2)
-    assert checkpoint.list_rounds(str(tmp_path)) == [4, 6]

@@ -11,11 +11,9 @@
 
 A method added later is covered by being registered."""
 import io
-import os
 import random
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -23,28 +21,8 @@ from raysim.config import load_config
 from raysim.app.experiment import federation
 from raysim.methods import registry
 from raysim.engine.backend import InProcess
-from raysim.testing import ElsewherePlan
+from raysim.testing import TINY, ElsewherePlan, run_rounds
 from raysim.engine.loop import Callback
-
-TINY = {
-    "rounds": 2, "seed": 11,
-    "data": {"dataset": "digits5", "options": {"image_size": 16},
-             "partition": {"kind": "per_domain", "train_size": 12, "domains": ["mnist", "usps", "svhn"]}},
-    "model": {"name": "small_cnn", "norm": "bn"},
-    "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5, "grad_clip": 10.0},
-    "eval": {"every": 1, "splits": ["val", "test"]},
-    "runtime": {"num_hosts": 1},
-    "hp": {"csac": {"stage1_epochs": 1, "stage1_iters_per_epoch": 0, "iters_per_epoch": 0}, "fdse": {"adapt_epochs": 1}},
-}
-
-
-def run_tiny(method, out, *overrides, plan=None):
-    cfg = load_config(raw={**TINY, "method": method}, overrides=list(overrides))
-    fed = federation(cfg, str(out), progress=False, backend=InProcess())
-    if plan is not None:
-        fed.plan = plan
-    fed.run()
-    return pq.read_table(os.path.join(out, "metrics.parquet")).to_pandas()
 
 
 class KeepHosts(Callback):
@@ -60,9 +38,9 @@ def test_method_conforms(method, tmp_path, ray_session):
     # the same metrics whatever the host layout
     layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=2"],
                ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
-    frames = [run_tiny(method, tmp_path / f"layout{i}", *layout) for i, layout in enumerate(layouts)]
+    frames = [run_rounds(method, tmp_path / f"layout{i}", *layout) for i, layout in enumerate(layouts)]
     # and whichever host trains a client: each on the host after its owner, its record moving both ways
-    frames.append(run_tiny(method, tmp_path / "elsewhere", "runtime.num_hosts=2", plan=ElsewherePlan))
+    frames.append(run_rounds(method, tmp_path / "elsewhere", "runtime.num_hosts=2", plan=ElsewherePlan))
     for other in frames[1:]:
         assert other.equals(frames[0])
     pooled = registry.get(method).pools_clients  # one client holding every client's data (DeepAll)
@@ -91,9 +69,9 @@ def test_method_conforms(method, tmp_path, ray_session):
             assert _same(back, record), (method, cid)
 
     # the global model, and leave-one-domain-out with the unseen domain scored
-    glob = run_tiny(method, tmp_path / "global", "eval.protocol=global", "rounds=1")
+    glob = run_rounds(method, tmp_path / "global", "eval.protocol=global", "rounds=1")
     assert glob[(glob.split == "test") & (glob.domain == "AVG")].value.notna().all()
-    lodo = run_tiny(method, tmp_path / "lodo", "eval.protocol=lodo", "data.partition.holdout=usps", "rounds=1")
+    lodo = run_rounds(method, tmp_path / "lodo", "eval.protocol=lodo", "data.partition.holdout=usps", "rounds=1")
     target = lodo[(lodo.split == "test") & (lodo.client >= 0)]
     assert set(target.domain) == {"usps"} and len(target[target.metric == "accuracy"]) == 1
 
@@ -107,7 +85,7 @@ def test_dropout_draws_the_same_masks_whatever_the_layout(method, tmp_path, ray_
     layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=2"],
                ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
     protocol = ["eval.protocol=lodo", "data.partition.holdout=usps"] if method == "fedbn" else []
-    frames = [run_tiny(method, tmp_path / f"layout{i}", *model, *protocol, *layout)
+    frames = [run_rounds(method, tmp_path / f"layout{i}", *model, *protocol, *layout)
               for i, layout in enumerate(layouts)]
     for other in frames[1:]:
         assert other.equals(frames[0])

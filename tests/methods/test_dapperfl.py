@@ -8,15 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
 from raysim.core.aggregation import AllUploads, weighted_mean
-from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.contract import Upload
 from raysim.core.errors import UserError
 from raysim.methods.dapperfl import (DapperFL, RepresentationTap, apply_masks, dar_term, footprint_table, fuse,
                                      fusion_factor, layer_roles, local_objective, num_pruned, prune_masks, recover)
 from raysim.core.tiers import level_counts, level_tiers
 from raysim.models.base import Net
+from raysim import testing
+from raysim.testing import client_context, random_client_data
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -58,32 +59,20 @@ def kept(mask_1d):
 
 
 def setup(num_clients=10, seed=0, **kw):
-    return Setup(model_builder=from_setup, num_classes=3, image_shape=(3, 6, 6), num_clients=num_clients,
-                 client_domains=tuple(f"d{c // 2}" for c in range(num_clients)), model=ModelConfig(),
-                 train=TrainConfig(), rounds=5, seed=seed, **kw)
+    return testing.setup(num_classes=3, image_shape=(3, 6, 6), num_clients=num_clients,
+                         client_domains=tuple(f"d{c // 2}" for c in range(num_clients)), model=ModelConfig(),
+                         rounds=5, seed=seed, **kw)
 
 
-class FakeData:
-    def __init__(self, n=8, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 3, 6, 6, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-        self.num_train = n
-        self.train = type("Split", (), {"labels": self.y.numpy()})()
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(len(self.y), generator=generator)
-        for i in range(0, len(order), batch_size):
-            idx = order[i:i + batch_size]
-            yield self.x[idx].to(device), self.y[idx].to(device)
+def fake_data(n=8, seed=0):
+    return random_client_data(num_train=n, seed=seed, image_shape=(3, 6, 6))
 
 
 def context(method, net, cid=0, rnd=1, epochs=3, lr=0.05, max_steps=None):
     train = TrainConfig(epochs=epochs, batch_size=4, lr=lr, momentum=0.9, weight_decay=1e-5, max_steps=max_steps)
     payload = {"global": {k: v.detach().clone() for k, v in net.state_dict().items()}}
-    return ClientContext(client_id=cid, domain="d0", round=rnd, model=net, payload=payload,
-                         state=method.init_client_state(cid, net), data=FakeData(), train=train, lr=lr,
-                         generator=torch.Generator().manual_seed(123), device=torch.device("cpu"))
+    return client_context(method, net, fake_data(), client_id=cid, round=rnd, payload=payload, train=train,
+                          seed=123, domain="d0")
 
 
 # ----------------------------------------------------------------------------- Eq. 2 and Eq. 1
@@ -474,7 +463,7 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
     leave in the BN buffers) do not describe it: averaged into the global model they made its
     eval-mode activations explode (recovery from W^{t-1}) or vanish (zero-fill), and the global
     model scored chance on digits5 while its training loss fell."""
-    data = FakeData(n=8)
+    data = fake_data(n=8)
     results = {}
     for mode, extra in (("default", {}), ("pruned", {"bn_stats": "pruned"})):
         m = DapperFL(DapperFL.hparams_from({"rho": rho, **extra}), setup(1))
@@ -488,7 +477,7 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
         new = m.aggregate({"global": prev}, AllUploads({0: up}), 2)["global"]
         glob = tiny_net()
         glob.load_state_dict(new)
-        expected = bn_input_stats(copy.deepcopy(glob), data.x)
+        expected = bn_input_stats(copy.deepcopy(glob), data.train.x)
         results[mode] = max(max(float((new[f"{n}.running_mean"] - mu).abs().max()),
                                 float((new[f"{n}.running_var"] - var).abs().max()))
                             for n, (mu, var) in expected.items())

@@ -8,11 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
 from raysim.core.errors import UserError
 from raysim.core.aggregation import AllUploads
-from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.contract import Upload
 from raysim.core.hparams import Space
 from raysim.methods.fdse import (FDSE, ConsistencyRegularizer, FDSEHparams, batch_stats, consensus_update,
                                  consistency_term, key_role, layer_weights, min_norm_simplex, similarity_mix)
@@ -21,6 +20,7 @@ from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net
 from raysim.models.dropout import dropout_generator
 from raysim.engine.host import tensors_nbytes
+from raysim import testing
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,8 +100,8 @@ def alexnet_fdse_params_by_hand(num_classes=10):
 
 def test_fdse_alexnet_table4_params_flops_and_state_size():
     # the paper's input size (A7.1: 224 x 224); parameter counts do not depend on it
-    setup = Setup(model_builder=from_setup, num_classes=10, image_shape=(3, 224, 224), num_clients=6, client_domains=("a",) * 6,
-                  model=ModelConfig(name="alexnet_fdse"), train=TrainConfig(), rounds=1, seed=0)
+    setup = testing.setup(num_classes=10, image_shape=(3, 224, 224), num_clients=6, model=ModelConfig(name="alexnet_fdse"),
+                          rounds=1)
     fdse = FDSE(FDSE.Hparams(), setup).build_model()
     vanilla = build("alexnet_fdse", num_classes=10, in_channels=3, input_size=224, norm="bn")
     assert count_params(fdse) == alexnet_fdse_params_by_hand() == 6_504_810
@@ -336,23 +336,12 @@ def test_key_roles_and_bn_dse_stats_are_personal():
         f"features.{b}.bn_dse.{s}" for b in ("conv1", "fc1") for s in ("running_mean", "running_var")}
 
 
-class FakeData:
-    def __init__(self, x, y):
-        self.x, self.y, self.num_train = x, y, len(y)
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(len(self.y), generator=generator)
-        for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
-            yield self.x[idx], self.y[idx]
-
-
 def client_step(m, model, state_srv, cid, rnd, client_state, data):
     payload = {**m.broadcast(state_srv, rnd), "personal": m.client_payload(state_srv, cid, rnd)}
     m.load_client_model(model, payload, client_state)
-    ctx = ClientContext(client_id=cid, domain=str(cid), round=rnd, model=model, payload=payload,
-                        state=client_state, data=data, train=TrainConfig(epochs=1, batch_size=4, lr=0.05, grad_clip=10.0),
-                        lr=0.05, generator=torch.Generator().manual_seed(rnd * 10 + cid), device=torch.device("cpu"))
+    ctx = testing.client_context(m, model, data, client_id=cid, round=rnd, payload=payload, state=client_state,
+                                 train=TrainConfig(epochs=1, batch_size=4, lr=0.05, grad_clip=10.0), seed=rnd * 10 + cid,
+                                 domain=str(cid))
     return m.local_update(ctx)
 
 
@@ -362,7 +351,7 @@ def test_federation_round_trip_bn_dse_stats_never_reach_the_server():
     m = method(lam=1.0, tau=0.1)
     srv = m.init_server(model)
     clients = {c: m.init_client_state(c, model) for c in (0, 1)}
-    data = {c: FakeData(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
+    data = {c: testing.client_data(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
     local_keys = m.personal_keys(model)
 
     def no_local(tensors):
@@ -451,7 +440,7 @@ def test_unseen_client_model_is_the_mean_dse_and_alg3_adapts_only_the_dse():
     m = method(lam=1.0, tau=0.1, adapt_epochs=4, adapt_batch=4)
     srv = m.init_server(model)
     clients = {c: m.init_client_state(c, model) for c in (0, 1)}
-    data = {c: FakeData(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
+    data = {c: testing.client_data(torch.randn(9, 1, 4, 4) * (c + 1) + c, torch.randint(0, 3, (9,))) for c in (0, 1)}
     for rnd in (1, 2):
         ups = {c: client_step(m, model, srv, c, rnd, clients[c], data[c]) for c in (0, 1)}
         srv = m.aggregate(srv, AllUploads(ups), rnd)

@@ -7,20 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
 from raysim.core.errors import UserError
-from raysim.core.contract import ClientContext, ClientData, Setup
 from raysim.methods.fedwon import (FedWon, WSConv2d, adaptive_clip_, agc_parameters, unitwise_norm,
                                    ws_conv_factory)
 from raysim.models import is_norm
 from raysim.models.dropout import dropout_generator
+from raysim import testing
 
 
 def setup_for(name="small_cnn", norm="bn", size=32, **options):
-    return Setup(model_builder=from_setup, num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
-                 model=ModelConfig(name=name, norm=norm, options=options), train=TrainConfig(),
-                 rounds=10, seed=0)
+    return testing.setup(num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+                         model=ModelConfig(name=name, norm=norm, options=options), rounds=10)
 
 
 def fedwon(name="small_cnn", size=32, hp=None, **options):
@@ -211,19 +209,9 @@ def test_everything_is_shared_and_averaged():
 
 # ----------------------------------------------------------------------------- local step
 
-class OneBatch:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def batches(self, batch_size, generator=None, device=None, drop_last=False):
-        yield self.x, self.y
-
-
 def context(model, x, y, lr, batch_size):
-    data = ClientData(train=OneBatch(x, y), val=None, test=None, num_train=len(y))
-    return ClientContext(client_id=0, domain="a", round=1, model=model, payload={}, state={}, data=data,
-                         train=TrainConfig(batch_size=batch_size, lr=lr), lr=lr,
-                         generator=torch.Generator().manual_seed(0), device=torch.device("cpu"))
+    return testing.client_context(None, model, testing.fixed_batches((x, y)), state={},
+                                  train=TrainConfig(batch_size=batch_size, lr=lr))
 
 
 def test_local_step_is_sgd_on_agc_clipped_gradients():

@@ -9,22 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
 from raysim.core.errors import UserError
 from raysim.core.aggregation import Mean
-from raysim.core.contract import ClientContext, ClientData, Setup
 from raysim.methods.gperxan import GFedAvg, GPerXAN
 from raysim.methods.gperxan_layers import IBN, XAN, bn_side_keys, place, select
 from raysim.models.base import Net
+from raysim import testing
 
 EPS = 1e-5
 
 
 def setup_for(name="small_cnn", size=32, rounds=10, pretrained=None, norm="bn"):
-    return Setup(model_builder=from_setup, num_classes=2, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
-                 model=ModelConfig(name=name, norm=norm, pretrained=pretrained), train=TrainConfig(),
-                 rounds=rounds, seed=0)
+    return testing.setup(num_classes=2, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+                         model=ModelConfig(name=name, norm=norm, pretrained=pretrained), rounds=rounds)
 
 
 def method(cls=GPerXAN, rounds=10, **hp):
@@ -42,19 +40,9 @@ def tiny_net(xan=False, seed=0):
     return model
 
 
-class Batches:
-    def __init__(self, *batches):
-        self.list = batches
-
-    def batches(self, batch_size, generator=None, device=None, drop_last=False):
-        yield from self.list
-
-
 def context(model, batches, lr=0.1, rnd=1, state=None, momentum=0.0, cid=0):
-    data = ClientData(train=Batches(*batches), val=None, test=None, num_train=sum(len(y) for _, y in batches))
-    return ClientContext(client_id=cid, domain="a", round=rnd, model=model, payload={}, state=state or {},
-                         data=data, train=TrainConfig(batch_size=4, lr=lr, momentum=momentum), lr=lr,
-                         generator=torch.Generator().manual_seed(0), device=torch.device("cpu"))
+    return testing.client_context(None, model, testing.fixed_batches(*batches), client_id=cid, round=rnd,
+                                  state=state or {}, train=TrainConfig(batch_size=4, lr=lr, momentum=momentum))
 
 
 def bn_by_hand(x, mean, var, gamma, beta):
@@ -140,8 +128,8 @@ def test_ibn_is_in_on_the_first_half_and_bn_on_the_rest():
 # ----------------------------------------------------------------------------- placement
 
 def test_placement_rule_per_backbone():
-    s = Setup(model_builder=from_setup, num_classes=7, image_shape=(3, 32, 32), num_clients=3, client_domains=("a", "b", "c"),
-              model=ModelConfig(name="resnet18_tv"), train=TrainConfig(), rounds=1, seed=0)
+    s = testing.setup(num_classes=7, image_shape=(3, 32, 32), num_clients=3, client_domains=("a", "b", "c"),
+                      model=ModelConfig(name="resnet18_tv"), rounds=1)
     plain = GFedAvg(GFedAvg.Hparams(), s).build_model()
     # PACS rule: every BN of the trunk (stem 1 + 4 stages x 2 blocks x 2 + 3 downsample = 20)
     assert len(select(plain, "auto", "xan")) == len(select(plain, "all", "xan")) == 20

@@ -3,18 +3,16 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.config import ModelConfig, TrainConfig
 from raysim.core.errors import UserError
-from raysim.core.contract import ClientContext, ClientData, Setup
 from raysim.core.tensors import load_tensors
+from raysim import testing
 from raysim.methods.normbaselines import FedAvgGN, FedAvgLN, FixBN, SiloBN, bn_stat_keys, frozen_bn
 
 
 def setup_for(name="cnn6", norm="bn", size=28, rounds=10, **options):
-    return Setup(model_builder=from_setup, num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
-                 model=ModelConfig(name=name, norm=norm, options=options), train=TrainConfig(),
-                 rounds=rounds, seed=0)
+    return testing.setup(num_classes=10, image_shape=(3, size, size), num_clients=2, client_domains=("a", "b"),
+                         model=ModelConfig(name=name, norm=norm, options=options), rounds=rounds)
 
 
 def tiny():
@@ -22,19 +20,9 @@ def tiny():
     return nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 2))
 
 
-class OneBatch:
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-
-    def batches(self, batch_size, generator=None, device=None, drop_last=False):
-        yield self.x, self.y
-
-
 def context(model, rnd, x, y, lr=0.1, state=None):
-    data = ClientData(train=OneBatch(x, y), val=None, test=None, num_train=len(y))
-    return ClientContext(client_id=0, domain="a", round=rnd, model=model, payload={}, state=state or {},
-                         data=data, train=TrainConfig(batch_size=len(y), lr=lr), lr=lr,
-                         generator=torch.Generator().manual_seed(0), device=torch.device("cpu"))
+    return testing.client_context(None, model, testing.fixed_batches((x, y)), round=rnd, state=state or {},
+                                  train=TrainConfig(batch_size=len(y), lr=lr))
 
 
 # ----------------------------------------------------------------------------- GN / LN

@@ -7,10 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from raysim.models import from_setup
 from raysim.core.aggregation import AllUploads
 from raysim.config import ModelConfig, TrainConfig
-from raysim.core.contract import ClientContext, Setup, Upload
+from raysim.core.contract import Upload
 from raysim.core.errors import UserError
 from raysim.methods.feddrop import FedDrop, dropout_plan
 from raysim.methods.fedmp import FedMP, filter_scores, l1_plan, r2sp
@@ -20,6 +19,7 @@ from raysim.methods.submodels import (apply_masks, channel_groups, embed, extrac
 from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net, default_conv
 from raysim.models.resnet_cifar import BasicBlock, ResNetCIFAR
+from raysim import testing
 
 T = torch.tensor
 
@@ -46,9 +46,8 @@ def tiny_net2():
 
 
 def setup(num_clients=2, model="small_cnn", shape=(1, 3, 3)):
-    return Setup(model_builder=from_setup, num_classes=2, image_shape=shape, num_clients=num_clients,
-                 client_domains=tuple("d" for _ in range(num_clients)), model=ModelConfig(name=model),
-                 train=TrainConfig(), rounds=2, seed=0)
+    return testing.setup(num_classes=2, image_shape=shape, num_clients=num_clients,
+                         client_domains=tuple("d" for _ in range(num_clients)), model=ModelConfig(name=model), rounds=2)
 
 
 def method(cls, net_fn=tiny_net, num_clients=2, **hp):
@@ -60,24 +59,10 @@ def method(cls, net_fn=tiny_net, num_clients=2, **hp):
     return Tiny(cls.Hparams.from_dict(hp), setup(num_clients))
 
 
-class FakeData:
-    def __init__(self, n=8):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 1, 3, 3, generator=g)
-        self.y = torch.randint(0, 2, (n,), generator=g)
-        self.num_train = n
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(len(self.y), generator=generator)
-        for i in range(0, len(order), batch_size):
-            yield self.x[order[i:i + batch_size]], self.y[order[i:i + batch_size]]
-
-
 def context(m, net, cid=0, rnd=1, seed=123):
     train = TrainConfig(epochs=2, batch_size=4, lr=0.1, momentum=0.9)
-    return ClientContext(client_id=cid, domain="d", round=rnd, model=net, payload={}, state=m.init_client_state(cid, net),
-                         data=FakeData(), train=train, lr=0.1, generator=torch.Generator().manual_seed(seed),
-                         device=torch.device("cpu"))
+    data = testing.random_client_data(image_shape=(1, 3, 3), num_classes=2)  # 8 images, seed 0
+    return testing.client_context(m, net, data, client_id=cid, round=rnd, train=train, seed=seed, domain="d")
 
 
 # ----------------------------------------------------------------------------- shared: how many, where
@@ -394,8 +379,8 @@ def test_footprint_by_hand():
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet10"])
 def test_footprints_shrink_with_the_ratio(name):
-    s = Setup(model_builder=from_setup, num_classes=10, image_shape=(3, 16, 16), num_clients=5, client_domains=("d",) * 5,
-              model=ModelConfig(name=name), train=TrainConfig(), rounds=1, seed=0)
+    s = testing.setup(num_classes=10, image_shape=(3, 16, 16), num_clients=5, client_domains=("d",) * 5,
+                      model=ModelConfig(name=name), rounds=1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         dense_model = build(name, num_classes=10, in_channels=3, input_size=16)
@@ -427,12 +412,12 @@ def test_hparams_checked_and_defaults():
 
 
 def test_profile_tier_beyond_the_levels_is_refused():
-    s = Setup(model_builder=from_setup, num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
-              train=TrainConfig(), rounds=1, seed=0, client_profiles=({"tier": 7, "level": "L8"},))
+    s = testing.setup(num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
+                      rounds=1, client_profiles=({"tier": 7, "level": "L8"},))
     with pytest.raises(UserError, match="tier 7"):
         FedMP(FedMP.Hparams(), s).client_rho(0)
-    s2 = Setup(model_builder=from_setup, num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
-               train=TrainConfig(), rounds=1, seed=0, client_profiles=({"tier": 3, "level": "C4"},))
+    s2 = testing.setup(num_classes=2, image_shape=(1, 3, 3), num_clients=1, client_domains=("d",), model=ModelConfig(),
+                       rounds=1, client_profiles=({"tier": 3, "level": "C4"},))
     assert FedMP(FedMP.Hparams(), s2).client_rho(0) == 0.6
 
 

@@ -74,7 +74,7 @@ def test_host_layout():
         host_layout(RuntimeConfig(num_hosts=2, clients_per_host=1), 5)
 
 
-SHIPPED = sorted(p for p in (Path(__file__).parents[2] / "configs").rglob("*.yaml") if "tune" not in p.parts)
+SHIPPED = sorted(p for p in (Path(__file__).parents[1] / "configs").rglob("*.yaml") if "tune" not in p.parts)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -1,4 +1,5 @@
-"""Checksummed checkpoints: damaged bytes that still load, NaN state, and failed writes.
+"""Checkpoints (raysim.engine.checkpoint): damaged bytes that still load, truncated files, NaN state,
+failed writes, another config's checkpoint, and only the newest kept.
 
 Every checkpoint's meta.json records the SHA-256 of its other files; a mismatch (or NaN/inf in
 the loaded state) makes that checkpoint unreadable, and a resume falls back to the previous one
@@ -34,6 +35,10 @@ SMALL = {
 
 def small():
     return load_config(raw=SMALL)
+
+
+def cfg(*overrides):
+    return load_config(raw=SMALL, overrides=list(overrides))
 
 
 def metrics(run_dir):
@@ -203,6 +208,34 @@ def test_disk_full_inside_torch_save_is_the_os_error_not_torchs(tmp_path, monkey
         checkpoint.write(str(tmp_path), 6, c, {"w": torch.ones(50_000)}, {}, MetricsLog().table(), keep=2)
     assert err.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["round-000002", "round-000004"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.5, 0.99])
+@pytest.mark.parametrize("victim", ["server.pt", "clients.pt", "metrics.parquet", "meta.json"])
+def test_truncated_checkpoint_is_a_clear_error_and_the_previous_one_loads(tmp_path, victim, fraction):
+    c = _write_two(tmp_path)
+    path = tmp_path / "checkpoints" / "round-000004" / victim
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(UserError, match=f"checkpoint file .*round-000004/{victim} is unreadable"):
+        checkpoint.read(str(tmp_path), 4, c)
+    warnings = []
+    got = checkpoint.latest(str(tmp_path), c, warn=warnings.append)
+    assert got["round"] == 2 and torch.equal(got["server"]["global"]["w"], torch.full((64,), 2.0))
+    assert len(warnings) == 1 and victim in warnings[0]
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path):
+    _write_two(tmp_path)
+    with pytest.raises(UserError, match="written by a different config"):
+        checkpoint.read(str(tmp_path), 4, cfg("train.lr=0.2"))
+
+
+def test_keep_only_the_newest(tmp_path):
+    _write_two(tmp_path)
+    c = cfg()
+    checkpoint.write(str(tmp_path), 6, c, {}, {}, MetricsLog().table(), keep=2)
+    assert checkpoint.list_rounds(str(tmp_path)) == [4, 6]
 
 
 # ---------------------------------------------------------------- a real run resumed

@@ -6,7 +6,7 @@ import pytest
 
 from raysim.config import load_config
 
-CONFIGS = Path(__file__).parents[2] / "configs" / "fdse"
+CONFIGS = Path(__file__).parents[1] / "configs" / "fdse"
 
 
 @pytest.mark.parametrize("name", ["office_caltech10", "pacs", "domainnet"])

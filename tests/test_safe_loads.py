@@ -14,7 +14,7 @@ import pytest
 
 from raysim.data.pickled import load_arrays
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MAX_BYTES = 2_000_000  # source and docs; a data file or a run's output is skipped
 
 

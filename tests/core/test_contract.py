@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from raysim.core.aggregation import AllUploads, KeepAll, Mean, WeightedMean, weighted_mean
-from raysim.config import TrainConfig, load_config
-from raysim.core.contract import ClientContext, Method, Upload
+from raysim.core.aggregation import Mean
+from raysim.config import load_config
+from raysim.core.contract import Method
 from raysim.core.errors import TrainingDiverged, UserError
 from raysim.app.experiment import federation
 from raysim.core.hparams import Hparams
@@ -21,6 +21,7 @@ from raysim.methods import registry
 from raysim.engine.backend import InProcess
 from raysim.engine.loop import Callback
 from raysim.core.settings import setting
+from raysim.testing import client_context, fixed_batches
 
 BASE = {
     "rounds": 3, "seed": 2,
@@ -193,24 +194,13 @@ def test_profiles_from_the_config_reach_setup_and_context(ray_session, tmp_path)
 
 # ----------------------------------------------------------------------------- loop primitives
 
-class Numbers:
-    """Training data of fixed batches (no shuffling needed to compute by hand)."""
-
-    def __init__(self, batches):
-        self._b = batches
-        self.num_train = sum(len(y) for _, y in batches)
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        return iter(self._b)
-
-
 def context(batches, **train):
     model = torch.nn.Linear(1, 2, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    return ClientContext(client_id=3, domain="d", round=2, model=model, payload={}, state={},
-                         data=Numbers(batches), train=TrainConfig(**{"batch_size": 2, "lr": 0.5, **train}), lr=0.5,
-                         generator=torch.Generator(), device=torch.device("cpu"))
+    # training data of fixed batches (no shuffling needed to compute by hand)
+    return client_context(None, model, fixed_batches(*batches), client_id=3, round=2, domain="d",
+                          train={"batch_size": 2, "lr": 0.5, **train}, lr=0.5)
 
 
 def test_step_and_stats_by_hand():
@@ -255,28 +245,6 @@ def test_a_diverged_loss_is_reported_at_the_end_of_the_epoch():
             ctx.step(F.cross_entropy(ctx.model(xb), yb) * (math.nan if steps == 1 else 1.0), opt)
             steps += 1
     assert steps == 3  # the epoch finished: no sync inside it
-
-
-# ----------------------------------------------------------------------------- aggregators and the weighted mean
-
-def test_aggregators_by_hand():
-    a = Upload({"w": torch.tensor([1.0, 4.0]), "n": torch.tensor(3)}, 1.0, extras={"p": 1})
-    b = Upload({"w": torch.tensor([5.0, 0.0]), "n": torch.tensor(6)}, 3.0)
-    mean = WeightedMean()
-    one, two = mean.start(), mean.start()
-    mean.add(one, 4, a)
-    mean.add(two, 1, b)
-    out = mean.reduce([one, two])
-    assert torch.equal(out.mean["w"], torch.tensor([4.0, 1.0])) and out.mean["n"] == 5  # (3 + 18) / 4 = 5.25
-    assert out.mean["n"].dtype == torch.int64 and out.clients == [1, 4] and out.extras == {4: {"p": 1}}
-    keep = KeepAll()
-    p = keep.start()
-    keep.add(p, 4, a)
-    keep.add(p, 1, b)
-    everything = keep.reduce([p])
-    assert isinstance(everything, AllUploads) and everything.clients == [1, 4] and everything.total_weight == 4.0
-    assert weighted_mean([({"w": torch.tensor([2.0])}, 0.25), ({"w": torch.tensor([6.0])}, 0.75)], total=1.0)["w"] \
-        == torch.tensor([5.0])
 
 
 # ----------------------------------------------------------------------------- settings declared once

@@ -1,0 +1,65 @@
+"""Aggregation (raysim.core.aggregation): the aggregators by hand, and the weighted mean the hosts
+fold and the server reduces, whatever the grouping of clients on hosts."""
+import torch
+
+from raysim.core.aggregation import AllUploads, KeepAll, WeightedMean, weighted_mean
+from raysim.core.contract import Upload
+from raysim.methods.fedavg import FedAvg
+from raysim.engine.server import Server
+
+
+def test_aggregators_by_hand():
+    a = Upload({"w": torch.tensor([1.0, 4.0]), "n": torch.tensor(3)}, 1.0, extras={"p": 1})
+    b = Upload({"w": torch.tensor([5.0, 0.0]), "n": torch.tensor(6)}, 3.0)
+    mean = WeightedMean()
+    one, two = mean.start(), mean.start()
+    mean.add(one, 4, a)
+    mean.add(two, 1, b)
+    out = mean.reduce([one, two])
+    assert torch.equal(out.mean["w"], torch.tensor([4.0, 1.0])) and out.mean["n"] == 5  # (3 + 18) / 4 = 5.25
+    assert out.mean["n"].dtype == torch.int64 and out.clients == [1, 4] and out.extras == {4: {"p": 1}}
+    keep = KeepAll()
+    p = keep.start()
+    keep.add(p, 4, a)
+    keep.add(p, 1, b)
+    everything = keep.reduce([p])
+    assert isinstance(everything, AllUploads) and everything.clients == [1, 4] and everything.total_weight == 4.0
+    assert weighted_mean([({"w": torch.tensor([2.0])}, 0.25), ({"w": torch.tensor([6.0])}, 0.75)], total=1.0)["w"] \
+        == torch.tensor([5.0])
+
+
+def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
+    # clients: n=1 with w=[1, 4], n=3 with w=[5, 0]  ->  (1*[1,4] + 3*[5,0]) / 4 = [4, 1]
+    w1, w2 = torch.tensor([1.0, 4.0]), torch.tensor([5.0, 0.0])
+
+    agg = WeightedMean()
+
+    def host(h, pairs):  # the host's half: fold each client's upload into the host's partial
+        partial = agg.start()
+        for i, (w, n) in enumerate(pairs):
+            agg.add(partial, h * 10 + i, Upload({"w": w}, float(n)))
+        return {"host": h, "partial": partial, "personal": None, "metrics": {h * 10 + i: {"loss": 0.0} for i in
+                range(len(pairs))}, "bytes_up": 0, "seconds": 0.0}
+
+    class Fake:  # the Server's aggregation path only needs method + state
+        def server_metrics(self, state):
+            return {}
+
+    srv = Fake()
+    srv.method = FedAvg(FedAvg.Hparams(), None)
+    for grouping in ([host(0, [(w1, 1), (w2, 3)])], [host(0, [(w1, 1)]), host(1, [(w2, 3)])]):
+        srv.state = {"global": {"w": torch.zeros(2)}}
+        Server.aggregate(srv, 1, *grouping)
+        assert torch.equal(srv.state["global"]["w"], torch.tensor([4.0, 1.0]))
+        assert srv.state["global"]["w"].dtype == torch.float32
+
+    # bit-identical regrouping on awkward float32 values
+    torch.manual_seed(1)
+    ws = [torch.randn(1000) * 10 ** torch.randint(-6, 3, (1000,)).float() for _ in range(6)]
+    ns = [17, 3, 250, 1, 99, 40]
+    results = []
+    for groups in ([[0, 1, 2, 3, 4, 5]], [[0, 2, 4], [1, 3, 5]], [[0], [1], [2], [3], [4], [5]]):
+        srv.state = {"global": {"w": torch.zeros(1000)}}
+        Server.aggregate(srv, 1, *[host(h, [(ws[i], ns[i]) for i in g]) for h, g in enumerate(groups)])
+        results.append(srv.state["global"]["w"])
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
