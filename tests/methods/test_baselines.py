@@ -9,6 +9,7 @@ from raysim.methods.fedavg import FedAvg
 from raysim.methods.fedbn import FedBN
 from raysim.methods.fedprox import FedProx, proximal_term
 from raysim.methods.local import Local
+from raysim.engine.messages import HostRoundResult
 from raysim.engine.server import Server
 
 
@@ -34,8 +35,8 @@ def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
         partial = agg.start()
         for i, (w, n) in enumerate(pairs):
             agg.add(partial, h * 10 + i, Upload({"w": w}, float(n)))
-        return {"host": h, "partial": partial, "personal": None, "metrics": {h * 10 + i: {"loss": 0.0} for i in
-                range(len(pairs))}, "bytes_up": 0, "seconds": 0.0}
+        return HostRoundResult(host=h, uploads=partial, personal_sums=None, bytes_up=0,
+                               client_metrics={h * 10 + i: {"loss": 0.0} for i in range(len(pairs))})
 
     class Fake:  # the Server's aggregation path only needs method + state
         def server_metrics(self, state):
