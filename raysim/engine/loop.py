@@ -37,7 +37,7 @@ CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoin
 
 
 @dataclass
-class MethodRun:
+class FederationResult:
     """What one federation's run returns (its metrics are in ``run_dir``)."""
 
     method: str
@@ -87,7 +87,7 @@ class FederationRun:
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
 
     # ------------------------------------------------------------------ lifecycle
-    def run(self, resume: bool = False) -> MethodRun:
+    def run(self, resume: bool = False) -> FederationResult:
         cfg = self.cfg
         config_path = os.path.join(self.run_dir, "config.yaml")
         with writing(config_path):
@@ -135,7 +135,7 @@ class FederationRun:
         self._end(failure)
         if failure is not None:
             raise failure
-        return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
+        return FederationResult(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
                                 last_eval, self.host_restarts, self.server_restarts)
 
     def _failure(self, err: BaseException, rnd: int) -> BaseException:
