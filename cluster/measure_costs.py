@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -109,11 +110,11 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
 
     one_round(1, timing=False)  # FDSE: no regularizer in round 1; warms every code path
     payload, personal, results = one_round(2, timing=True)
-    out["steps_per_client"] = results[0]["metrics"][0].get("steps")
+    out["steps_per_client"] = results[0].client_metrics[0].get("steps")
     out["train_step_cpu_s"] = out["train_client_cpu_s"] / max(out["steps_per_client"] or 1, 1)
     out["payload_bytes"] = tensors_nbytes(payload)
     out["personal_payload_bytes"] = tensors_nbytes(personal[0]) if personal else 0
-    out["upload_bytes"] = results[0]["bytes_up"]
+    out["upload_bytes"] = results[0].bytes_up
     states = [st for _, st in host.store.items()]  # copies, as a checkpoint reads them
     out["state_bytes"] = statistics.median(state_nbytes(s) for s in states)
     packed = [st for st in host.store._mem.values() if isinstance(st, Packed)]
@@ -130,7 +131,7 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
                 m.aggregator.add(partial, c, Upload(shared, 64.0))
         _, med, lo, cpu = timed(add_one, 20)
         out["host_sum_per_upload_cpu_s"] = cpu / 2
-    hosts = [{**r, "host": i} for i, r in enumerate(results)]  # one client each, as if on k hosts
+    hosts = [dataclasses.replace(r, host=i) for i, r in enumerate(results)]  # one client each, as if on k hosts
     before = server.state
 
     def aggregate():
@@ -143,7 +144,7 @@ def measure_method(method: str, k: int, ray_ok: bool) -> dict:
         mixes = server.state["dse"]
         out["server_state_per_client_bytes"] = tensors_nbytes(next(iter(mixes.values())))
         out["server_state_per_client_tensors"] = len(next(iter(mixes.values())))
-        out["server_aggregate_scaling"] = fdse_scaling(m, server, results[0]["partial"][0], before)
+        out["server_aggregate_scaling"] = fdse_scaling(m, server, results[0].uploads[0], before)
 
     # spilling: a store with no memory budget spills every state but the newest
     spill_dir = scratch("raysim-measure-spill-")
@@ -208,7 +209,7 @@ def fdse_scaling(m, server, upload, before) -> dict:
     return res
 
 
-def object_store(result: dict, k: int, personal=None) -> dict:
+def object_store(result, k: int, personal=None) -> dict:
     """ray.put + ray.get of a host's round result, and ray.put of small per-client payloads, in a
     local Ray (1 CPU)."""
     import ray

@@ -21,11 +21,15 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raysim.config import set_path
 from raysim.core import files
 from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
+
+if TYPE_CHECKING:
+    from raysim.engine.messages import RoundSummary
 
 HEAD_MEMORY = 64 * 2**20  # bytes; keeps bundle 0 non-empty when the trial itself asks for 0 CPUs
 
@@ -133,12 +137,12 @@ class Tracker:
     def _rebest(self) -> None:
         self.best = {k: max([r[k] for r in self.reports], default=-math.inf) for k in ("val_avg", "val_all")}
 
-    def update(self, rnd: int, summary: dict, evaluation: dict | None) -> dict | None:
+    def update(self, rnd: int, summary: RoundSummary | None, evaluation: dict | None) -> dict | None:
         if self.reports and self.reports[-1]["round"] >= rnd:  # a round run again replaces its report
             self.reports = [r for r in self.reports if r["round"] < rnd]
             self._rebest()
         self.last_round = rnd
-        self.last_loss = float(summary.get("train_loss", math.nan)) if summary else math.nan
+        self.last_loss = float(summary.train_loss) if summary is not None else math.nan
         if not evaluation or "val" not in evaluation:
             return None
         val = evaluation["val"]

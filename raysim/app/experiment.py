@@ -20,10 +20,10 @@ from raysim.engine.metrics import MetricsWriter
 from raysim.app.progress import LiveBoard, ProgressCallback, live_terminal
 from raysim.app.rundir import RunLock, has_progress, holds_run_of, plan
 from raysim.core.files import WriteFailed, writing
-from raysim.engine.loop import Callback, FederationRun, MethodRun, finished
+from raysim.engine.loop import Callback, FederationResult, FederationRun, finished
 from raysim.app.tracking import log_report, tracking_callbacks
 
-__all__ = ["run", "run_method", "federation", "resume_config", "MethodRun"]
+__all__ = ["run", "run_method", "federation", "resume_config", "FederationResult"]
 
 
 def default_run_dir(cfg: ExperimentConfig) -> str:
@@ -33,9 +33,9 @@ def default_run_dir(cfg: ExperimentConfig) -> str:
 
 
 def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = None,
-        progress: bool = True, resume: bool = False) -> list[MethodRun]:
+        progress: bool = True, resume: bool = False) -> list[FederationResult]:
     """Run every method of ``cfg`` (once per seed of ``cfg.seeds``) on the same data; return one
-    MethodRun per federation. With ``resume``, federations already finished are skipped and the
+    FederationResult per federation. With ``resume``, federations already finished are skipped and the
     others continue from their last checkpoint. ``out`` holding a run of this same config that got
     somewhere resumes it too (so a supervisor reruns the same command); another config's run is
     refused. One writer per folder: ``out/raysim.lock`` (raysim.app.rundir.RunLock)."""
@@ -61,7 +61,7 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
         raise Interrupted(f"interrupted{hint}", signal=getattr(err, "signal", 2)) from None
 
 
-def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool) -> list[MethodRun]:
+def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool) -> list[FederationResult]:
     from raysim.app import report
     from raysim.engine.cluster import quiet_worker_death_notices, ray_session
 
@@ -130,13 +130,13 @@ class RoundFunction(Callback):
         self.fn(rnd, summary, evaluation)
 
 
-def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None) -> MethodRun:
+def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_round=None) -> FederationResult:
     """One federation of one method."""
     return federation(cfg, run_dir, progress=progress, on_round=on_round).run()
 
 
 def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False,
-                     board: LiveBoard | None = None, top: str | None = None) -> list[MethodRun]:
+                     board: LiveBoard | None = None, top: str | None = None) -> list[FederationResult]:
     """Run the federations one after another, or as many at once as the cluster fits: they are
     independent (every draw is keyed by seed, round and client), so the results are the same."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait

@@ -13,6 +13,7 @@ import threading
 import time
 
 from raysim.engine.loop import Callback
+from raysim.engine.messages import RoundSummary
 
 
 def live_terminal(stream=None) -> bool:
@@ -249,12 +250,12 @@ class ProgressCallback(Callback):
         else:
             self.bar.timer.restart()  # rounds only: start-up is not in the ETA
 
-    def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
+    def on_round(self, rnd: int, summary: RoundSummary, evaluation, log) -> None:
         self.last_eval = evaluation or self.last_eval
         if self.row is not None:
-            self.row.update(rnd, summary["train_loss"], self.last_eval)
+            self.row.update(rnd, summary.train_loss, self.last_eval)
         else:
-            self.bar.update(rnd, summary["train_loss"], self.last_eval)
+            self.bar.update(rnd, summary.train_loss, self.last_eval)
 
     def on_end(self, log) -> None:
         if self.row is not None:

@@ -36,6 +36,7 @@ import time
 from raysim.core.errors import UserError, first_line
 from raysim.core.files import write_json, writing
 from raysim.engine.loop import Callback
+from raysim.engine.messages import RoundSummary
 
 EVAL_SPLITS = ("val", "test")
 MLFLOW_STATE = "mlflow_run.json"  # <run_dir>/mlflow_run.json: the federation's MLflow run (resume, artifacts)
@@ -163,7 +164,7 @@ class TensorBoardWriter(Callback):
         except Exception as err:  # the scalars matter more than the hparams table
             _warn(f"TensorBoard hparams not written ({first_line(err, with_type=True, limit=300)})")
 
-    def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
+    def on_round(self, rnd: int, summary: RoundSummary, evaluation, log) -> None:
         if self.writer is None or rnd <= self.recorded:  # a replayed round: recorded already
             return
         self.recorded = rnd
@@ -237,7 +238,7 @@ class MLflowLogger(Callback):
         params = [Param(k[:250], _param_value(v)) for k, v in flat_config(cfg).items()]
         self.client.log_batch(self.run_id, params=params, tags=[RunTag("raysim.config", "config.yaml")])
 
-    def on_round(self, rnd: int, summary: dict, evaluation, log) -> None:
+    def on_round(self, rnd: int, summary: RoundSummary, evaluation, log) -> None:
         if self.run_id is None or rnd <= self.recorded:
             return
         self.recorded = rnd

@@ -1,6 +1,7 @@
-"""The simulated clock's inputs: every client's profile (a lazy per-client table), whether a
-model fits a device, a round's device time, and availability traces. Levels and the tier of
-each client come from :mod:`raysim.core.tiers`; the clock itself is described there."""
+"""The simulated clock: every client's profile (a lazy per-client table), whether a model fits a
+device, a round's device time, a host's clock of its clients' rounds (:class:`ClientClock`), and
+availability traces. Levels and the tier of each client come from :mod:`raysim.core.tiers`; the
+clock itself is described there."""
 from __future__ import annotations
 
 import csv
@@ -106,3 +107,35 @@ def read_trace(path: str) -> set[tuple[int, int]]:
             except (ValueError, IndexError):
                 raise UserError(f"availability trace {path}, line {i + 1}: expected client,round integers, got {row}") from None
     return online
+
+
+class ClientClock:
+    """A host's simulated clock (runs with client profiles): whether a client's device holds the
+    model it would train, and how long its round takes there. The compute comes from the
+    multiply-accumulates of every pass its step ran (measured: :class:`raysim.engine.compute.ComputeMeter`)
+    at its device's speed; the transfer from the bytes at its bandwidth."""
+
+    def __init__(self, model, image_shape, profile_of, footprint_of, deadline_s: float | None):
+        """``profile_of(client id)``: the client's profile; ``footprint_of(client id, dense)``: what
+        its device must hold (``Method.client_footprint``), given the full ``model``'s."""
+        from raysim.models import count_flops, count_params
+        self.dense = {"params": float(count_params(model)), "macs": float(count_flops(model, image_shape))}
+        self.profile_of, self.footprint_of, self.deadline_s = profile_of, footprint_of, deadline_s
+
+    def fits(self, cid: int) -> bool:
+        """Whether the client's memory holds the model it would train."""
+        foot = self.footprint_of(cid, self.dense)
+        return fits_memory(self.profile_of(cid), foot["params"])
+
+    def round_metrics(self, cid: int, macs: float, bytes_down: int, bytes_up: int) -> dict:
+        """The client's simulated round as metrics (``dropped_deadline`` 1.0: it missed the
+        deadline, and the server stopped waiting for its upload)."""
+        compute, comm = device_time(self.profile_of(cid), 2 * macs, bytes_down, bytes_up)  # FLOPs = 2 x MACs
+        late = self.deadline_s is not None and compute + comm > self.deadline_s
+        return dict(sim_compute_s=compute, sim_comm_s=comm, sim_seconds=compute + comm,
+                    completed=0.0 if late else 1.0, dropped_deadline=1.0 if late else 0.0, dropped_memory=0.0)
+
+    @staticmethod
+    def dropped_metrics() -> dict:
+        """The metrics of a client that does not :meth:`fit <fits>` (it does not train)."""
+        return {"completed": 0.0, "dropped_memory": 1.0}

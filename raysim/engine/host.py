@@ -2,7 +2,9 @@
 
 It loads its clients' data partitions once, keeps one model instance that every client's step
 reuses, keeps each client's persistent state between rounds (spilling idle ones to disk), and
-folds its clients' uploads with the method's aggregator into one partial result per round.
+folds its clients' uploads with the method's aggregator into one partial result per round. Its
+clients' evaluation is :mod:`raysim.engine.evaluation`'s; their simulated clock (client profiles)
+:class:`raysim.engine.clock.ClientClock`'s; what it returns, :mod:`raysim.engine.messages`'.
 
 A client's stored record is ``{"state": what the method keeps, "trained": the model as it left
 training}`` ("trained" only with ``eval.point: post_train``): the engine never writes into the
@@ -14,22 +16,24 @@ import os
 import time
 from collections import OrderedDict
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from raysim.core.aggregation import WeightedMean
 from raysim.models.dropout import dropout_generator
-from raysim.engine.clock import device_time, fits_memory
-from raysim.core.contract import ClientContext, ClientData, UnseenClient, Upload
+from raysim.engine.clock import ClientClock
+from raysim.core.contract import ClientContext, ClientData, Upload
 from raysim.engine.clientdata import device_budget, keep_on_device
 from raysim.engine.cohort import CohortClient, auto_cohort_size, cohort_ready, run_cohort
 from raysim.engine.compute import ComputeMeter
 from raysim.engine.determinism import configure as configure_determinism
+from raysim.engine.evaluation import Evaluator
 from raysim.engine.federation import Federation
+from raysim.engine.messages import HostRoundResult, SplitScores, TrainedClients, client_payload, unbox
 from raysim.core.seeding import generator_for
 from raysim.engine.store import ClientStateStore, state_nbytes
 from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
-from raysim.core.training import evaluate
 
 
 def pick_device(gpu_ids) -> torch.device:
@@ -71,6 +75,25 @@ class ClientDataCache:
         return len(self._items)
 
 
+@dataclass
+class PartialRound:
+    """A host's running result of a round, from its first :meth:`ClientHost.train_clients` of the
+    round to :meth:`ClientHost.end_round` (which turns it into a HostRoundResult)."""
+
+    round: int
+    payload: dict | None
+    """The round's payload, on the host's device (loaded into every client's model from there)."""
+    uploads: object
+    """The method's aggregator's partial result, on the device (``Aggregator.start``)."""
+    personal_sums: object
+    """Weighted sums of the clients' personal tensors, for the global model (None: not gathered)."""
+    client_metrics: dict[int, dict] = field(default_factory=dict)
+    bytes_up: int = 0
+    clients: int = 0
+    """Clients handed to this host this round (dropped ones included)."""
+    seconds: float = 0.0
+
+
 class ClientHost:
     def __init__(self, host_id: int, cfg, num_hosts: int, gpu_ids=None):
         self.host_id, self.cfg, self.num_hosts, self._gpu_ids = host_id, cfg, num_hosts, gpu_ids
@@ -96,11 +119,9 @@ class ClientHost:
         self._gather_personal = cfg.eval.protocol != "personalized"
         self._personal_keys = sorted(self.method.personal_keys(self.model)) if self._gather_personal else []
         # client system profiles drive a simulated clock (raysim.core.tiers); none: no clock rows
-        self._clocked = bool(self.fed.setup.client_profiles)
-        if self._clocked:  # the footprint a client's memory must hold (its compute is measured: _clock)
-            from raysim.models import count_flops, count_params
-            self._dense = {"params": float(count_params(self.model)),
-                           "macs": float(count_flops(self.model, self.fed.image_shape))}
+        self.clock = ClientClock(self.model, self.fed.image_shape, self.fed.profile, self.method.client_footprint,
+                                 cfg.clients.deadline_s) if self.fed.setup.client_profiles else None
+        self._clocked = self.clock is not None
         # runtime.device_data_mb: clients' data kept on the GPU once loaded (None on CPU or at 0)
         self.device_budget = device_budget(self.device, rt.device_data_mb)
         self.data = ClientDataCache(self._client_data, DATA_CACHE_CLIENTS)
@@ -112,7 +133,8 @@ class ClientHost:
         self._state_device = self.device if self.device.type != "cpu" and rt.device_state_mb > 0 else None
         self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill,
                                       device_budget_bytes=rt.device_state_mb * 2**20 if self._state_device else 0)
-        self._partial = None  # the round's running result (train_clients .. end_round)
+        self._partial: PartialRound | None = None  # the round's running result (train_clients .. end_round)
+        self.evaluator = Evaluator(cfg, self.fed, self.model, self._init_sd, self.data, self.device, self._record)
         return self.ready()
 
     def _client_data(self, cid: int) -> ClientData:
@@ -152,30 +174,29 @@ class ClientHost:
         return self.end_round(rnd)
 
     def train_clients(self, rnd: int, payload_box: list, client_ids: list[int], personal_boxes: dict | None = None,
-                      moved_records: list | None = None) -> dict:
+                      moved_records: list | None = None) -> TrainedClients:
         """Train some of the round's clients (ascending id), folding their uploads into the host's
         partial result of the round (returned by :meth:`end_round`).
 
+        ``payload_box``: the round's payload in a box (:func:`raysim.engine.messages.box`).
         ``moved_records``: the listed clients are owned by another host (work stealing): each
-        trains from its record in ``moved_records[0]`` (a ref to ``{client id: record}`` from the
+        trains from its record in the box ``moved_records`` (a ref to ``{client id: record}`` from the
         owner's :meth:`export_records`; a client missing there has no state yet) and its new record
-        comes back in the result's ``records`` for the owner, instead of staying here.
-        Returns the clients' stored-state sizes (``state_bytes``) and the seconds spent."""
-        import ray
+        comes back in the result's ``records_for_owner``, instead of staying here."""
         t0 = time.perf_counter()
-        part = self._round_partial(rnd, payload_box)
+        partial = self._round_partial(rnd, payload_box)
         personal_boxes = personal_boxes or {}
         moved = None
         if moved_records is not None:
-            moved = ray.get(moved_records[0]) if _is_ref(moved_records[0]) else (moved_records[0] or {})
-        out: dict = {"host": self.host_id, "state_bytes": {}, "records": {}}
+            moved = unbox(moved_records) or {}
+        out = TrainedClients(host=self.host_id)
         cohort = self._cohort_size(len(client_ids))
         if cohort > 1:  # runtime.cohort_size: the clients in cohorts, each as it would train alone
-            self._train_cohorts(rnd, part, sorted(client_ids), personal_boxes, moved, out, cohort)
+            self._train_cohorts(rnd, partial, sorted(client_ids), personal_boxes, moved, out, cohort)
         else:
             for cid in sorted(client_ids):
-                mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
-                if self._clocked and not self._fits(cid, part):
+                mine = client_payload(partial.payload, personal_boxes.get(cid), self.device)
+                if self._clocked and not self._fits(cid, partial):
                     continue
                 # what the step keeps (cpu_copy) stays on the device within runtime.device_state_mb,
                 # unless the record goes back to its owner host (work stealing)
@@ -189,38 +210,40 @@ class ClientHost:
                     record = {"state": ctx.state}
                     if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
                         record["trained"] = self.method.post_train_state(ctx)
-                self._fold(part, out, cid, record, up, meter.macs if self._clocked else None, mine, moved)
-        part["clients"] += len(client_ids)
-        out["seconds"] = time.perf_counter() - t0
-        part["seconds"] += out["seconds"]
+                self._fold(partial, out, cid, record, up, meter.macs if self._clocked else None, mine, moved)
+        partial.clients += len(client_ids)
+        out.seconds = time.perf_counter() - t0
+        partial.seconds += out.seconds
         return out
 
-    def _fits(self, cid: int, part: dict) -> bool:
+    def _fits(self, cid: int, partial: PartialRound) -> bool:
         """Whether the client's memory holds the model it would train (clocked runs); if not, its
         metrics say it was dropped."""
-        foot = self.method.client_footprint(cid, self._dense)
-        if fits_memory(self.fed.profile(cid), foot["params"]):
+        if self.clock.fits(cid):
             return True
-        part["metrics"][cid] = {"completed": 0.0, "dropped_memory": 1.0}  # it cannot train this model
+        partial.client_metrics[cid] = ClientClock.dropped_metrics()  # it cannot train this model
         return False
 
-    def _fold(self, part: dict, out: dict, cid: int, record: dict, up: Upload, macs, mine: dict, moved) -> None:
+    def _fold(self, partial: PartialRound, out: TrainedClients, cid: int, record: dict, up: Upload, macs,
+              mine: dict, moved) -> None:
         """A trained client's record stored (or sent back to its owner), its metrics and clock, and
         its upload folded into the host's partial result (the model still holds what it trained)."""
         if moved is None:
             self.store.put(cid, record)
         else:
-            out["records"][cid] = record
-        out["state_bytes"][cid] = state_nbytes(record)
-        metrics = part["metrics"][cid] = dict(up.metrics)
+            out.records_for_owner[cid] = record
+        out.state_bytes[cid] = state_nbytes(record)
+        metrics = partial.client_metrics[cid] = dict(up.metrics)
         sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
-        part["bytes_up"] += sent
-        if self._clocked and self._clock(cid, macs, tensors_nbytes(mine), sent, metrics):
-            return  # dropped from the aggregate: the server stopped waiting at the deadline
-        self.method.aggregator.add(part["partial"], cid, up)
-        if part["personal"] is not None:  # for the global model only (Method.global_eval_model)
+        partial.bytes_up += sent
+        if self._clocked:
+            metrics.update(self.clock.round_metrics(cid, macs, tensors_nbytes(mine), sent))
+            if metrics["dropped_deadline"]:
+                return  # dropped from the aggregate: the server stopped waiting at the deadline
+        self.method.aggregator.add(partial.uploads, cid, up)
+        if partial.personal_sums is not None:  # for the global model only (Method.global_eval_model)
             sd = self.model.state_dict()
-            WeightedMean().add(part["personal"], cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
+            WeightedMean().add(partial.personal_sums, cid, Upload({k: sd[k] for k in self._personal_keys}, 1.0))
 
     def _cohort_size(self, n: int) -> int:
         """How many clients train at once (runtime.cohort_size): 0 where the method keeps the
@@ -232,16 +255,16 @@ class ClientHost:
             k = auto_cohort_size(self.model, self.device, self.cfg.train.batch_size, self.fed.image_shape)
         return min(int(k), n)
 
-    def _train_cohorts(self, rnd: int, part: dict, ids: list[int], personal_boxes: dict, moved, out: dict,
-                       size: int) -> None:
+    def _train_cohorts(self, rnd: int, partial: PartialRound, ids: list[int], personal_boxes: dict, moved,
+                       out: TrainedClients, size: int) -> None:
         """The listed clients in cohorts of ``size`` (consecutive in ascending id), each trained,
         stored, clocked and folded exactly as on the per-client path (raysim.engine.cohort)."""
         todo = []
         for cid in ids:
-            mine = _client_payload(part["payload"], personal_boxes.get(cid), self.device)
-            if self._clocked and not self._fits(cid, part):
+            mine = client_payload(partial.payload, personal_boxes.get(cid), self.device)
+            if self._clocked and not self._fits(cid, partial):
                 continue
-            part["metrics"][cid] = {}  # its place in the metrics' order, as on the per-client path
+            partial.client_metrics[cid] = {}  # its place in the metrics' order, as on the per-client path
             todo.append((cid, mine))
         for first in range(0, len(todo), size):
             chunk = todo[first:first + size]
@@ -258,43 +281,40 @@ class ClientHost:
                 record = {"state": ctx.state}
                 if self.cfg.eval.point == "post_train":
                     record["trained"] = self.method.post_train_state(ctx)
-                self._fold(part, out, ctx.client_id, record, up, macs, mines[ctx.client_id], moved)
+                self._fold(partial, out, ctx.client_id, record, up, macs, mines[ctx.client_id], moved)
 
             with keep_state_on(self._state_device if moved is None else None):
                 run_cohort(self.method, self.model, clients, after, meter=self._clocked)
 
-    def _round_partial(self, rnd: int, payload_box: list) -> dict:
+    def _round_partial(self, rnd: int, payload_box: list) -> PartialRound:
         """The host's running result of round ``rnd`` (begun by its first :meth:`train_clients`).
         The round's payload goes to the host's device here, once per round: every client's model
         is loaded from that copy, device to device."""
-        part = self._partial
-        if part is None or part["round"] != rnd:
-            import ray
-            payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
-            payload = to_device(payload, self.device, what="payload")
-            part = self._partial = self._new_partial(rnd, payload, gather_personal=bool(self._personal_keys))
-        return part
+        partial = self._partial
+        if partial is None or partial.round != rnd:
+            payload = to_device(unbox(payload_box), self.device, what="payload")
+            partial = self._partial = self._new_partial(rnd, payload, gather_personal=bool(self._personal_keys))
+        return partial
 
-    def _new_partial(self, rnd: int, payload, gather_personal: bool) -> dict:
-        return {"round": rnd, "payload": payload, "partial": self.method.aggregator.start(),
-                "personal": WeightedMean().start() if gather_personal else None,
-                "metrics": {}, "bytes_up": 0, "clients": 0, "seconds": 0.0}
+    def _new_partial(self, rnd: int, payload, gather_personal: bool) -> PartialRound:
+        return PartialRound(round=rnd, payload=payload, uploads=self.method.aggregator.start(),
+                            personal_sums=WeightedMean().start() if gather_personal else None)
 
-    def end_round(self, rnd: int) -> dict:
+    def end_round(self, rnd: int) -> HostRoundResult:
         """The host's partial result of round ``rnd`` (the method's aggregator), its clients' metrics
         and the bytes they sent; an empty partial when it trained nobody this round."""
-        part = self._partial
+        partial = self._partial
         self._partial = None
-        if part is None or part["round"] != rnd:  # nobody trained here this round
-            part = self._new_partial(rnd, None, gather_personal=False)
-        eval_bytes = part["clients"] * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
+        if partial is None or partial.round != rnd:  # nobody trained here this round
+            partial = self._new_partial(rnd, None, gather_personal=False)
+        eval_bytes = partial.clients * sum(self._init_sd[k].numel() * self._init_sd[k].element_size()
                                            for k in self._personal_keys)
         # one device-to-CPU transfer of the host's result (the server reduces on the CPU)
-        partial = self.method.aggregator.leave_device(part["partial"])
-        personal = None if part["personal"] is None else WeightedMean().leave_device(part["personal"])
-        return {"host": self.host_id, "partial": partial, "personal": personal,
-                "metrics": part["metrics"], "bytes_up": part["bytes_up"], "bytes_up_eval": eval_bytes,
-                "seconds": part["seconds"]}
+        uploads = self.method.aggregator.leave_device(partial.uploads)
+        personal_sums = None if partial.personal_sums is None else WeightedMean().leave_device(partial.personal_sums)
+        return HostRoundResult(host=self.host_id, uploads=uploads, personal_sums=personal_sums,
+                               client_metrics=partial.client_metrics, bytes_up=partial.bytes_up,
+                               bytes_up_eval=eval_bytes, seconds=partial.seconds)
 
     def export_records(self, client_ids: list[int]) -> dict[int, dict]:
         """The stored records of those listed clients that have one, for another host to train them."""
@@ -305,72 +325,13 @@ class ClientHost:
                 out[cid] = to_device(record, "cpu", what="state")  # as it travels: on the CPU
         return out
 
-    def _clock(self, cid: int, macs: float, bytes_down: int, bytes_up: int, metrics: dict) -> bool:
-        """The client's simulated round (compute from the multiply-accumulates of every pass its step
-        ran, :class:`ComputeMeter`, at its speed; transfer from the bytes at its bandwidth) into
-        ``metrics``; True if it missed the deadline."""
-        compute, comm = device_time(self.fed.profile(cid), 2 * macs, bytes_down, bytes_up)  # FLOPs = 2 x MACs
-        deadline = self.cfg.clients.deadline_s
-        late = deadline is not None and compute + comm > deadline
-        metrics.update(sim_compute_s=compute, sim_comm_s=comm, sim_seconds=compute + comm,
-                       completed=0.0 if late else 1.0, dropped_deadline=1.0 if late else 0.0, dropped_memory=0.0)
-        return late
-
+    # ------------------------------------------------------------------ evaluation
     def evaluate(self, rnd: int, payload_box: list, requests: dict[int, list[str]], protocol: str,
-                 personal_boxes: dict | None = None) -> dict:
+                 personal_boxes: dict | None = None) -> dict[int, dict[str, SplitScores]]:
         """Accuracy and loss sums for each requested (client, split): with the client's own model
-        (personalized) or with the global model (global; lodo). An unseen client (a held-out
-        domain's) is evaluated with the global model after the method's label-free adaptation to
-        its data (``Method.adapt_to_unseen``), and before it as split ``<split>_unadapted``."""
-        import ray
-        payload = ray.get(payload_box[0]) if _is_ref(payload_box[0]) else payload_box[0]
-        payload = to_device(payload, self.device, what="payload")  # once per evaluation, as in a round
-        personal_boxes = personal_boxes or {}
-        out = {}
-        if protocol == "personalized":
-            for cid in sorted(requests):
-                record = self._record(cid)
-                if "trained" in record:  # eval.point post_train
-                    self.model.load_state_dict(record["trained"])
-                    model = self.model
-                else:  # "received", and clients not trained yet
-                    mine = _client_payload(payload, personal_boxes.get(cid), self.device)
-                    model = self.method.eval_model(self.model, mine, record["state"])
-                out[cid] = self._scores(model, cid, requests[cid])
-            return out
-        seen = [c for c in sorted(requests) if not self.fed.is_unseen(c)]
-        if seen:
-            model = self._global_model(payload)
-            for cid in seen:
-                out[cid] = self._scores(model, cid, requests[cid])
-        for cid in sorted(set(requests) - set(seen)):
-            model = self._global_model(payload)  # afresh: adaptation changes it
-            before = self._scores(model, cid, requests[cid])
-            with dropout_generator(generator_for(self.cfg.seed, rnd, cid, "adapt_dropout", self.device)):
-                adapted = self.cfg.eval.adapt and self.method.adapt_to_unseen(model, self._unseen(cid, rnd))
-            if adapted:
-                out[cid] = {**self._scores(model, cid, requests[cid]),
-                            **{f"{split}_unadapted": r for split, r in before.items()}}
-            else:
-                out[cid] = before
-        return out
-
-    def _global_model(self, payload: dict):
-        """The method's global model, built on the initial weights (so tensors nothing sets are
-        defined, and nothing of the last client's state leaks in)."""
-        self.model.load_state_dict(self._init_sd)
-        return self.method.global_eval_model(self.model, payload)
-
-    def _unseen(self, cid: int, rnd: int) -> UnseenClient:
-        train = self.cfg.train
-        return UnseenClient(client_id=cid, domain=self.fed.domain(cid), round=rnd, data=self.data[cid], train=train,
-                            lr=train.lr * train.lr_decay ** (rnd - 1),
-                            generator=generator_for(self.cfg.seed, rnd, cid, "adapt"), device=self.device)
-
-    def _scores(self, model, cid: int, splits: list[str]) -> dict:
-        bs = max(self.cfg.train.batch_size, 256)
-        data = self.data[cid]
-        return {s: {**evaluate(model, getattr(data, s), bs, self.device), "n_train": data.num_train} for s in splits}
+        (personalized) or with the global model (global; lodo), see :mod:`raysim.engine.evaluation`."""
+        payload = to_device(unbox(payload_box), self.device, what="payload")  # once per evaluation, as in a round
+        return self.evaluator.run(rnd, payload, requests, protocol, personal_boxes or {})
 
     # ------------------------------------------------------------------ checkpoints
     def ping(self) -> bool:
@@ -394,20 +355,6 @@ class ClientHost:
                 "device_state_mb": self.store.bytes_on_device / 2**20,
                 "device_data_mb": self.device_budget.used / 2**20 if self.device_budget else 0.0,
                 "clients_with_state": len(self.store)}
-
-
-def _client_payload(payload: dict, personal, device) -> dict:
-    """The round's payload (on the device already) plus this client's own part, moved there."""
-    if personal is None:
-        return payload
-    import ray
-    personal = ray.get(personal) if _is_ref(personal) else personal
-    return {**payload, "personal": to_device(personal, device, what="personal")}
-
-
-def _is_ref(x) -> bool:
-    import ray
-    return isinstance(x, ray.ObjectRef)
 
 
 def _node() -> dict:

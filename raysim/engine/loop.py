@@ -24,6 +24,7 @@ from raysim.engine import checkpoint
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, RunFailed
+from raysim.engine.messages import RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
 from raysim.engine.backend import RayActors
@@ -35,14 +36,18 @@ CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoin
 
 
 @dataclass
-class MethodRun:
+class FederationResult:
+    """What one federation's run returns (its metrics are in ``run_dir``)."""
+
     method: str
     run_dir: str
     rounds_done: int
     seconds: float
+    """Wall seconds of the whole run, start-up included."""
     startup_seconds: float
     round_seconds: list[float]
     last_eval: dict
+    """The last evaluated round's headline, {split: {"AVG", "ALL", "AVG_clients"}}."""
     host_restarts: int = 0
     server_restarts: int = 0
 
@@ -53,7 +58,7 @@ class Callback:
     def on_start(self, run: "FederationRun") -> None:
         """The pool is up and the loop starts (``run.server``, ``run.hosts`` exist)."""
 
-    def on_round(self, rnd: int, summary: dict, evaluation: dict | None, log: MetricsLog) -> None:
+    def on_round(self, rnd: int, summary: RoundSummary, evaluation: dict | None, log: MetricsLog) -> None:
         """After every round that completed (``evaluation`` None on rounds without one)."""
 
     def on_end(self, log: MetricsLog) -> None:
@@ -81,7 +86,7 @@ class FederationRun:
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
 
     # ------------------------------------------------------------------ lifecycle
-    def run(self, resume: bool = False) -> MethodRun:
+    def run(self, resume: bool = False) -> FederationResult:
         cfg = self.cfg
         config_path = os.path.join(self.run_dir, "config.yaml")
         with writing(config_path):
@@ -129,8 +134,8 @@ class FederationRun:
         self._end(failure)
         if failure is not None:
             raise failure
-        return MethodRun(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
-                         last_eval, self.host_restarts, self.server_restarts)
+        return FederationResult(cfg.method, self.run_dir, rnd, time.perf_counter() - t_start, startup, round_seconds,
+                                last_eval, self.host_restarts, self.server_restarts)
 
     def _failure(self, err: BaseException, rnd: int) -> BaseException:
         """What the run raises for ``err``: Ctrl-C and failed writes as one line with what is intact
@@ -196,7 +201,7 @@ class FederationRun:
             self.server = None
 
     # ------------------------------------------------------------------ one round
-    def _round(self, rnd: int):
+    def _round(self, rnd: int) -> tuple[RoundSummary, dict | None]:
         cfg, server = self.cfg, self.server
         sampled = self._call(server.sample.remote(rnd))
         payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
@@ -207,7 +212,7 @@ class FederationRun:
             returned = []
         else:
             futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
-        summary = self._call(server.aggregate.remote(rnd, *futures))
+        summary: RoundSummary = self._call(server.aggregate.remote(rnd, *futures))
         self._call(returned)  # moved clients' records are back on their owners before anyone reads them
         results = None
         if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
@@ -218,8 +223,8 @@ class FederationRun:
                                                      cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
                        for h, cids in split_by_host(self.requests, self.owner).items()]
             results = {}
-            for part in self._call(futures):
-                results.update(part)
+            for host_scores in self._call(futures):
+                results.update(host_scores)
         # metrics only once the whole round succeeded, so a replayed round never logs twice
         self.log.add_round(rnd, summary, self.domain_of)
         evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
@@ -233,7 +238,7 @@ class FederationRun:
                          lambda c: self.state_bytes.get(c, 0) <= limit)
         # the records a thief may need, read from each owner before its first chunk (so a busy owner
         # never holds a thief up); clients without a record start from their initial state anywhere
-        exports = {h: [self.hosts[h].export_records.remote(cids)]
+        exports = {h: box(self.hosts[h].export_records.remote(cids))
                    for h, q in plan.queues.items()
                    if (cids := [c for c in q if c in self.state_bytes and plan.movable(c)])}
         running: dict = {}  # ref -> (host, owner)
@@ -244,7 +249,7 @@ class FederationRun:
                 owner, cids = plan.next_chunk(h, sum(1 for host, _ in running.values() if host == h))
                 if not cids:
                     return
-                moved = None if owner == h else exports.get(owner, [None])
+                moved = None if owner == h else exports.get(owner, box(None))
                 ref = self.hosts[h].train_clients.remote(rnd, payload_box, cids,
                                                          {c: personal[c] for c in cids if c in personal}, moved)
                 running[ref] = (h, owner)
@@ -255,10 +260,10 @@ class FederationRun:
             ready, _ = self.backend.wait(list(running))
             for ref in ready:
                 h, owner = running.pop(ref)
-                done = self._call(ref)
-                self.state_bytes.update(done["state_bytes"])
-                if done["records"]:
-                    returned.append(self.hosts[owner].import_states.remote(done["records"]))
+                done: TrainedClients = self._call(ref)
+                self.state_bytes.update(done.state_bytes)
+                if done.records_for_owner:
+                    returned.append(self.hosts[owner].import_states.remote(done.records_for_owner))
                 feed(h)
         return [host.end_round.remote(rnd) for host in self.hosts], returned
 
@@ -335,8 +340,8 @@ class FederationRun:
         t0 = time.monotonic()
         server_state = self._call(self.server.export_state.remote())
         clients = {}
-        for part in self._call([h.export_states.remote() for h in self.hosts]):
-            clients.update(part)
+        for host_records in self._call([h.export_states.remote() for h in self.hosts]):
+            clients.update(host_records)
         try:
             checkpoint.write(self.run_dir, rnd, self.cfg, server_state, clients, self.log.table(),
                              keep=self.cfg.checkpoint.keep)

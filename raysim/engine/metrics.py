@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raysim.core.files import write_atomically
+from raysim.engine.messages import RoundSummary, SplitScores
 
 COLUMNS = ("round", "client", "domain", "split", "metric", "value")
 SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
@@ -64,10 +65,10 @@ class MetricsLog:
         write_atomically(path, lambda tmp: pq.write_table(table, tmp))
 
     # ------------------------------------------------------------------ rows from results
-    def add_round(self, rnd: int, summary: dict, domain_of=None) -> None:
+    def add_round(self, rnd: int, summary: RoundSummary, domain_of=None) -> None:
         """Training rows: every numeric client metric (loss, a method's diagnostics, footprints),
         their mean over the round's clients, and the round's communication."""
-        per_client = summary.get("client_metrics", {})
+        per_client = summary.client_metrics
         names = sorted({k for m in per_client.values() for k, v in m.items() if _is_number(v)})
         for name in names:
             values = []
@@ -79,21 +80,19 @@ class MetricsLog:
                         self.add(rnd, cid, domain_of(cid), "train", name, v)
             self.add(rnd, -1, "ALL", "train", name, float(np.mean(values)))
         if "loss" not in names:
-            self.add(rnd, -1, "ALL", "train", "loss", summary["train_loss"])
-        self.add(rnd, -1, "ALL", "comm", "bytes_up", summary["bytes_up"])
-        self.add(rnd, -1, "ALL", "comm", "bytes_down", summary["bytes_down"])
-        for name, value in (summary.get("clock") or {}).items():  # the simulated clock (client profiles)
+            self.add(rnd, -1, "ALL", "train", "loss", summary.train_loss)
+        self.add(rnd, -1, "ALL", "comm", "bytes_up", summary.bytes_up)
+        self.add(rnd, -1, "ALL", "comm", "bytes_down", summary.bytes_down)
+        for name, value in (summary.clock or {}).items():  # the simulated clock (client profiles)
             self.add(rnd, -1, "ALL", "clock", name, value)
-        for name, value in (summary.get("server_metrics") or {}).items():
+        for name, value in (summary.server_metrics or {}).items():
             self.add(rnd, -1, "ALL", "server", name, value)
-        if summary.get("bytes_up_eval"):  # personal tensors gathered only to build the global model
-            self.add(rnd, -1, "ALL", "comm", "bytes_up_eval", summary["bytes_up_eval"])
+        if summary.bytes_up_eval:  # personal tensors gathered only to build the global model
+            self.add(rnd, -1, "ALL", "comm", "bytes_up_eval", summary.bytes_up_eval)
 
-    def add_eval(self, rnd: int, results: dict[int, dict], domain_of) -> dict:
-        """Per-client rows, then per-domain and AVG/ALL/AVG_clients/AVG_weighted rows.
-
-        ``results[client][split]`` = {"correct", "loss_sum", "n"[, "n_train"]}. Returns
-        {split: {"AVG": ..., "ALL": ..., "AVG_clients": ...}}."""
+    def add_eval(self, rnd: int, results: dict[int, dict[str, SplitScores]], domain_of) -> dict:
+        """Per-client rows, then per-domain and AVG/ALL/AVG_clients/AVG_weighted rows, from the
+        hosts' ``results[client][split]``. Returns {split: {"AVG": ..., "ALL": ..., "AVG_clients": ...}}."""
         headline = {}
         splits = sorted({s for r in results.values() for s in r})
         for split in splits:
@@ -101,16 +100,16 @@ class MetricsLog:
             client_acc, train_sizes = [], []
             for cid in sorted(results):
                 r = results[cid].get(split)
-                if r is None or r["n"] == 0:
+                if r is None or r.num_samples == 0:
                     continue
                 dom = domain_of(cid)
-                acc, loss = r["correct"] / r["n"], r["loss_sum"] / r["n"]
+                acc, loss = r.correct / r.num_samples, r.loss_sum / r.num_samples
                 self.add(rnd, cid, dom, split, "accuracy", acc)
                 self.add(rnd, cid, dom, split, "loss", loss)
                 client_acc.append(acc)
-                train_sizes.append(float(r.get("n_train", 1)))
+                train_sizes.append(float(r.num_train))
                 pooled.setdefault(dom, np.zeros(3))
-                pooled[dom] += (r["correct"], r["loss_sum"], r["n"])
+                pooled[dom] += (r.correct, r.loss_sum, r.num_samples)
             domain_acc = []
             for dom in pooled:  # clients are numbered domain by domain: the dataset's order
                 c, ls, n = pooled[dom]
@@ -142,7 +141,7 @@ class MetricsWriter:
     def on_start(self, run) -> None:
         pass
 
-    def on_round(self, rnd: int, summary: dict, evaluation, log: MetricsLog) -> None:
+    def on_round(self, rnd: int, summary: RoundSummary, evaluation, log: MetricsLog) -> None:
         if evaluation is not None:
             log.write(self.path)
 

@@ -13,6 +13,7 @@ from raysim.core.aggregation import WeightedMean
 from raysim.core.errors import UserError
 from raysim.engine.clock import read_trace
 from raysim.engine.federation import ClientDomains, Federation
+from raysim.engine.messages import HostRoundResult, RoundSummary, box
 from raysim.core.seeding import SERVER, rng_for
 from raysim.core.tensors import tensors_nbytes
 
@@ -52,13 +53,13 @@ class Server:
     def describe(self) -> dict:
         """What the driver needs to know; ``client_domains`` (training clients, then the unseen
         ones) is a ClientDomains of a few runs, not a list of every client's domain."""
-        part = self.fed.partition
+        partition = self.fed.partition
         domains = self.fed.setup.client_domains
         if self.fed.target is not None:
             domains = domains + ClientDomains.of(self.fed.target)
         return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
                 "domains": list(self.fed.domains), "client_domains": domains,
-                "num_train": [part.num_samples(c, "train") for c in range(min(self.n, 1000))]}
+                "num_train": [partition.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
     def sample(self, rnd: int) -> list[int]:
@@ -85,8 +86,9 @@ class Server:
     def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
         """ray.put the round's payload once; per-client payloads only when the method has them.
 
-        Returns ``([payload_ref], {client_id: personal_ref})``; the ref travels inside a list so
-        that each host fetches it from the object store itself.
+        Returns ``(payload box, {client_id: personal_ref})``: the payload's ref in a box
+        (:func:`raysim.engine.messages.box`), the clients' own parts as refs inside a dict (which
+        Ray passes on unresolved as well).
         """
         if for_training:
             payload = self.method.broadcast(self.state, rnd)
@@ -103,17 +105,19 @@ class Server:
                 down += tensors_nbytes(p)
         if for_training:
             self._bytes_down = down
-        return [_put(payload)], personal
+        return box(_put(payload)), personal
 
-    def aggregate(self, rnd: int, *host_results) -> dict:
-        results = sorted(host_results, key=lambda r: r["host"])
-        uploads = self.method.aggregator.reduce([r["partial"] for r in results])
+    def aggregate(self, rnd: int, *host_results: HostRoundResult) -> RoundSummary:
+        """Reduce the hosts' results of round ``rnd`` (in host order), run the method's server step,
+        and sum the round up."""
+        results = sorted(host_results, key=lambda r: r.host)
+        uploads = self.method.aggregator.reduce([r.uploads for r in results])
         if uploads.clients:  # no upload arrived (every client dropped): the server state stays as it was
             self.state = self.method.aggregate(self.state, uploads, rnd)
-        gathered = [r["personal"] for r in results if r["personal"] is not None]
+        gathered = [r.personal_sums for r in results if r.personal_sums is not None]
         if gathered:
             self.personal_mean = WeightedMean().reduce(gathered).mean
-        metrics = {c: m for r in results for c, m in r["metrics"].items()}
+        metrics = {c: m for r in results for c, m in r.client_metrics.items()}
         clients = sorted(metrics)
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
         clock = {}
@@ -122,12 +126,12 @@ class Server:
             late = any(m.get("dropped_deadline") for m in metrics.values())
             clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
                      "completed": float(len(done)), "sampled": float(len(metrics))}
-        return {"round": rnd, "clients": clients, "train_loss": float(np.mean(losses)) if losses else math.nan,
-                "client_metrics": metrics, "bytes_up": sum(r["bytes_up"] for r in results),
-                "bytes_up_eval": sum(r.get("bytes_up_eval", 0) for r in results),
-                "server_metrics": self.method.server_metrics(self.state), "clock": clock,
-                "bytes_down": getattr(self, "_bytes_down", 0),
-                "host_seconds": {r["host"]: r["seconds"] for r in results}}
+        return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
+                            client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
+                            bytes_up_eval=sum(r.bytes_up_eval for r in results),
+                            server_metrics=self.method.server_metrics(self.state), clock=clock,
+                            bytes_down=getattr(self, "_bytes_down", 0),
+                            host_seconds={r.host: r.seconds for r in results})
 
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:

@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 
+from raysim.engine.messages import RoundSummary
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROUNDS = 3
 # the quickstart made small: two federations (one host each, 2 at a time on 2 cores), 3 rounds
@@ -114,7 +116,8 @@ def test_board_rows_from_threads_and_final_table():
     def federation(cb, stop_at):
         cb.on_start(None)
         for rnd in range(1, stop_at + 1):
-            cb.on_round(rnd, {"train_loss": 1 / rnd}, {"test": {"AVG": rnd / 10}} if rnd % 2 == 0 else None, None)
+            cb.on_round(rnd, RoundSummary(round=rnd, train_loss=1 / rnd), {"test": {"AVG": rnd / 10}} if rnd % 2 == 0 else None,
+                        None)
         cb.on_end(None)
 
     with board:
@@ -137,8 +140,8 @@ def test_plain_line_format(capsys):
 
     cb = ProgressCallback(10, "fedbn[seed 1]", "lines")
     cb.on_start(None)
-    cb.on_round(1, {"train_loss": 2.5}, None, None)
-    cb.on_round(2, {"train_loss": 1.25}, {"test": {"AVG": 0.4321}}, None)
+    cb.on_round(1, RoundSummary(round=1, train_loss=2.5), None, None)
+    cb.on_round(2, RoundSummary(round=2, train_loss=1.25), {"test": {"AVG": 0.4321}}, None)
     cb.on_end(None)
     assert capsys.readouterr().err.splitlines() == [
         "fedbn[seed 1] round 1/10  loss 2.500  elapsed 0:00  eta 0:00",

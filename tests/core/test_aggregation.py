@@ -5,6 +5,7 @@ import torch
 from raysim.core.aggregation import AllUploads, KeepAll, WeightedMean, weighted_mean
 from raysim.core.contract import Upload
 from raysim.methods.fedavg import FedAvg
+from raysim.engine.messages import HostRoundResult
 from raysim.engine.server import Server
 
 
@@ -38,8 +39,8 @@ def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
         partial = agg.start()
         for i, (w, n) in enumerate(pairs):
             agg.add(partial, h * 10 + i, Upload({"w": w}, float(n)))
-        return {"host": h, "partial": partial, "personal": None, "metrics": {h * 10 + i: {"loss": 0.0} for i in
-                range(len(pairs))}, "bytes_up": 0, "seconds": 0.0}
+        return HostRoundResult(host=h, uploads=partial, personal_sums=None, bytes_up=0,
+                               client_metrics={h * 10 + i: {"loss": 0.0} for i in range(len(pairs))})
 
     class Fake:  # the Server's aggregation path only needs method + state
         def server_metrics(self, state):

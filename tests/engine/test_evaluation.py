@@ -12,6 +12,7 @@ import torch
 
 from raysim.config import load_config
 from raysim.core.errors import UserError
+from raysim.engine.messages import SplitScores
 from raysim.engine.metrics import MetricsLog
 from raysim.app.report import paired_comparison
 from raysim.app.tables import summarize
@@ -43,7 +44,7 @@ def test_avg_is_the_mean_over_domains_with_3_1_1_1_1_clients():
     correct = {0: 9, 1: 5, 2: 1, 3: 4, 4: 6, 5: 2, 6: 7}
     n = {0: 10, 1: 10, 2: 20, 3: 8, 4: 8, 5: 4, 6: 10}
     n_train = {0: 100, 1: 300, 2: 100, 3: 80, 4: 80, 5: 40, 6: 100}
-    results = {c: {"test": {"correct": correct[c], "loss_sum": 0.5 * n[c], "n": n[c], "n_train": n_train[c]}}
+    results = {c: {"test": SplitScores(correct=correct[c], loss_sum=0.5 * n[c], num_samples=n[c], num_train=n_train[c])}
                for c in domain}
     log = MetricsLog()
     head = log.add_eval(4, results, domain.__getitem__)
@@ -178,7 +179,7 @@ def lodo_host_round(method, monkeypatch, rounds=2, **hp):
 
 def test_fdse_unseen_domain_model_has_trained_dse_and_data_estimated_bn_dse_stats(ray_session, monkeypatch):
     server, host, out = lodo_host_round("fdse", monkeypatch, adapt_epochs=2, adapt_batch=4)
-    assert set(out[3]) == {"test", "test_unadapted"} and out[3]["test"]["n"] == 26  # the whole domain
+    assert set(out[3]) == {"test", "test_unadapted"} and out[3]["test"].num_samples == 26  # the whole domain
     assert set(out[0]) == {"val"}
     sd = host.model.state_dict()  # the unseen client's model, as evaluated
     dse = [k for k in sd if ".bn_dse." in k or ".cheap." in k]
@@ -206,8 +207,8 @@ def test_fedbn_unseen_domain_collects_its_bn_statistics(ray_session, monkeypatch
         if "running_" not in k and not k.endswith("num_batches_tracked"):
             assert torch.equal(sd[k], server.personal_mean[k]), k
     import ray
-    probe = host._global_model(ray.get(server.broadcast(2, [], False)[0][0]))
-    expected = collect_bn_stats(probe, host._unseen(3, 2).unlabeled_batches(4))  # the same images, same order
+    probe = host.evaluator.global_model(ray.get(server.broadcast(2, [], False)[0][0]))
+    expected = collect_bn_stats(probe, host.evaluator.unseen_client(3, 2).unlabeled_batches(4))  # the same images, same order
     for k in bn_stats:
         assert torch.allclose(sd[k], expected[k], atol=1e-6), k
         assert not torch.allclose(sd[k], server.personal_mean[k]), k

@@ -468,15 +468,15 @@ def test_on_a_real_host_the_reference_survives_spilling_and_the_fused_model_is_e
     refs = None
     for rnd in (1, 2, 3):
         res = host.train_round(rnd, [m.broadcast(srv, rnd)], clients)
-        assert all(res["metrics"][c]["stage"] == (1 if rnd == 1 else 2) for c in clients)
-        srv = m.aggregate(srv, m.aggregator.reduce([res["partial"]]), rnd)
+        assert all(res.client_metrics[c]["stage"] == (1 if rnd == 1 else 2) for c in clients)
+        srv = m.aggregate(srv, m.aggregator.reduce([res.uploads]), rnd)
         assert host.store.spills > 0
         now = {c: host.store.get(c)["state"]["reference"] for c in clients}
         if refs is None:
             refs = now
             for c in clients:  # L^h is the stage-1 upload
-                assert all(torch.equal(refs[c][k], res["partial"][c].tensors[k]) for k in refs[c])
+                assert all(torch.equal(refs[c][k], res.uploads[c].tensors[k]) for k in refs[c])
         for c in clients:
             assert all(torch.equal(refs[c][k], now[c][k]) for k in refs[c])
     out = host.evaluate(3, [m.broadcast(srv, 3)], {3: ["test"]}, "lodo")
-    assert out[3]["test"]["n"] == 20  # the unseen domain, whole
+    assert out[3]["test"].num_samples == 20  # the unseen domain, whole

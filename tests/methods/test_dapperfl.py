@@ -488,11 +488,12 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
 
 def test_footprint_table_of_a_run_from_its_client_metrics(tmp_path, capsys):
     from raysim.methods.dapperfl import footprint_from_run
+    from raysim.engine.messages import RoundSummary
     from raysim.engine.metrics import MetricsLog
     m = DapperFL(DapperFL.hparams_from({"tier_assignment": "modulo"}), setup(10))
     log = MetricsLog()
     metrics = {c: m.local_update(context(m, tiny_net(), cid=c, rnd=1, epochs=2)).metrics for c in (0, 4, 5)}
-    log.add_round(1, {"client_metrics": metrics, "train_loss": 0.0, "bytes_up": 0, "bytes_down": 0},
+    log.add_round(1, RoundSummary(round=1, client_metrics=metrics, train_loss=0.0, bytes_up=0, bytes_down=0),
                   domain_of=lambda c: f"d{c // 2}")
     (tmp_path / "dapperfl").mkdir()
     log.write(str(tmp_path / "dapperfl" / "metrics.parquet"))

@@ -20,6 +20,7 @@ import pytest
 
 from raysim.tuning.search import (RaysimLimiter, RaysimOptunaSearch, STUDY, resume_plan, run_search,
                                   saved_trials)
+from raysim.engine.messages import RoundSummary
 from raysim.tuning.spec import load_spec
 from raysim.tuning.trial import Tracker
 
@@ -197,9 +198,9 @@ def test_a_resumed_trial_keeps_its_earlier_reports_up_to_where_it_resumed():
     ev = lambda v: {"val": {"AVG": v, "ALL": v}}
     first = Tracker(rounds=4, attempt=1)
     for rnd, v in [(1, 0.5), (2, 0.7), (3, 0.6)]:
-        first.update(rnd, {"train_loss": 1.0}, ev(v))
+        first.update(rnd, RoundSummary(round=rnd, train_loss=1.0), ev(v))
     resumed = Tracker(rounds=4, attempt=2, earlier=first.reports)  # resumed from the round-1 checkpoint
-    report = resumed.update(2, {"train_loss": 1.0}, ev(0.4))  # round 2 again: 0.7 no longer counts
+    report = resumed.update(2, RoundSummary(round=2, train_loss=1.0), ev(0.4))  # round 2 again: 0.7 no longer counts
     assert [r["round"] for r in resumed.reports] == [1, 2] and report["val_avg_best"] == 0.5
     assert [r["attempt"] for r in resumed.reports] == [1, 2]
 
