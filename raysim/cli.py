@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError, first_line
-
-QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,12 +86,14 @@ def cmd_run(ns) -> int:
         cfg = resume_config(ns.resume, ns.args)
         run(cfg, out=ns.resume, address=ns.address, progress=not ns.quiet, resume=True)
         return 0
+    from raysim.app.shipped import find_config, quickstart
+
     path, overrides = split_config_and_overrides(ns.args)
     if path is None:
-        if not QUICKSTART.is_file():
-            raise UserError(f"no CONFIG given and the quickstart config is missing: {QUICKSTART}")
-        path = QUICKSTART
-    cfg = load_checked(path, overrides)
+        path = quickstart()
+        if not path.is_file():
+            raise UserError(f"no CONFIG given and the quickstart config is missing: {path}")
+    cfg = load_checked(find_config(path), overrides)
     if ns.check:
         import yaml
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
@@ -139,7 +138,8 @@ def cmd_data_shard(ns) -> int:
     bad = [o for o in ns.overrides if "=" not in o]
     if bad:
         raise UserError(f"raysim data shard CONFIG URI [key=value ...]: {bad[0]!r} is not key=value")
-    cfg = load_checked(ns.config, ns.overrides)
+    from raysim.app.shipped import find_config
+    cfg = load_checked(find_config(ns.config), ns.overrides)
     write_federation_shards(cfg, ns.uri, image_format=ns.image_format, clients_per_file=ns.clients_per_file,
                             echo=print)
     print("run it with: raysim run " + " ".join([ns.config, *ns.overrides, f"data.shards={ns.uri}"]))
@@ -154,7 +154,8 @@ def cmd_tune(ns) -> int:
     path, overrides = split_config_and_overrides(ns.args)
     if path is None:
         raise UserError("raysim tune needs a CONFIG file (e.g. configs/tune/fdse.yaml)")
-    return tune_main(path, overrides, out=ns.out, address=ns.address)
+    from raysim.app.shipped import find_config
+    return tune_main(find_config(path), overrides, out=ns.out, address=ns.address)
 
 
 def _on_sigterm(signum, frame):

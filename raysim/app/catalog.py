@@ -32,16 +32,11 @@ def shares_line(name: str, cls) -> str:
 
 # ----------------------------------------------------------------------------- configs
 
-def _config_root() -> str:
-    here = os.path.join(os.getcwd(), "configs")
-    if os.path.isdir(here):
-        return here
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-
-
 def configs_by_method(root: str | None = None) -> dict[str, list[str]]:
-    """{method: [config paths relative to the repository]} from every readable YAML under configs/."""
-    root = root or _config_root()
+    """{method: [``configs/...`` paths]} from every readable YAML among the shipped configs
+    (:func:`raysim.app.shipped.shipped_configs`; ``root``: another folder)."""
+    from raysim.app.shipped import shipped_configs
+    root = root or str(shipped_configs())
     base = os.path.dirname(root)
     found: dict[str, list[str]] = {}
     for dirpath, dirnames, filenames in os.walk(root):

@@ -1,0 +1,52 @@
+"""The configs raysim ships, and how a config named on the command line is found.
+
+The repository's ``configs/`` (the quickstart, each paper's configs, the baselines) travels in the
+wheel as ``raysim/configs/`` (pyproject.toml); a source checkout (an editable install, or the
+repository on PYTHONPATH) has it beside the ``raysim`` package. :func:`shipped_configs` is the one
+place that knows both.
+
+A relative CONFIG means the current directory first. Only where no such file exists there is it
+looked up among the shipped configs, as given (``fdse/digits5.yaml``) or without its leading
+``configs/`` (``configs/fdse/digits5.yaml``, as the docs spell it), so the docs' commands work
+from any directory after a plain ``pip install``.
+"""
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+
+from raysim.core.errors import UserError
+
+QUICKSTART = "quickstart.yaml"
+
+
+def shipped_configs() -> Path:
+    """The folder of shipped configs: ``raysim/configs`` inside an installed package, else the
+    repository's ``configs/`` beside the package (a source checkout)."""
+    package = Path(str(resources.files("raysim")))
+    for folder in (package / "configs", package.parent / "configs"):
+        if (folder / QUICKSTART).is_file():
+            return folder
+    return package / "configs"  # neither: where an installed package keeps it, for the error lines
+
+
+def quickstart() -> Path:
+    """The config ``raysim run`` runs when given none."""
+    return shipped_configs() / QUICKSTART
+
+
+def find_config(path: str | os.PathLike) -> str:
+    """The file a command-line CONFIG names: the path as given where a file is there (relative:
+    to the current directory), else the shipped config of that name; one line naming both places
+    where neither has it."""
+    given = os.path.expanduser(os.fspath(path))
+    if os.path.isabs(given) or os.path.exists(given):
+        return given  # read as given: a missing absolute path, a folder get the reader's own error
+    shipped = shipped_configs()
+    parts = Path(given).parts
+    for rel in (parts, parts[1:] if parts[:1] == ("configs",) else ()):
+        if rel and shipped.joinpath(*rel).is_file():
+            return str(shipped.joinpath(*rel))
+    raise UserError(f"config file not found: {given} (neither in the current directory {os.getcwd()} "
+                    f"nor among raysim's shipped configs in {shipped})")
