@@ -1,4 +1,5 @@
-"""raysim command line: run, report, compare, methods, data show, data shard (tune lives in raysim.tuning).
+"""raysim command line: run, report, compare, methods, data show, data shard, new method (tune lives
+in raysim.tuning).
 
 User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback. A run that
 stops for another reason (a failed write, a lost actor beyond runtime.max_restarts) prints one
@@ -16,8 +17,7 @@ from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError, fi
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: one line, exit 2
-        raise UserError(f"{message} (see 'raysim {self.prog.split()[-1]} --help')"
-                        if " " in self.prog else message)
+        raise UserError(f"{message} (see '{self.prog} --help')" if " " in self.prog else message)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="raw uint8 (fastest to read, default) or png (smaller)")
     shard.add_argument("--clients-per-file", type=int, default=1,
                        help="clients per Parquet file, one row group each (default 1; raise it for 100k clients)")
+
+    new = sub.add_parser("new", help="start something of your own from a template")
+    nsub = new.add_subparsers(dest="new_command", required=True, parser_class=_Parser)
+    nmeth = nsub.add_parser("method", help="write NAME.py (a method: FedAvg with a hyperparameter and its own "
+                                           "client step) and test_NAME.py beside it; never overwrites")
+    nmeth.add_argument("name", metavar="NAME", help="the method's name and module name (a Python identifier)")
+    nmeth.add_argument("--dir", default=".", help="folder for the two files (default: the current one)")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune + Optuna")
     tune.add_argument("args", nargs="*", metavar="CONFIG [key=value ...]")
@@ -158,6 +165,14 @@ def cmd_tune(ns) -> int:
     return tune_main(find_config(path), overrides, out=ns.out, address=ns.address)
 
 
+def cmd_new(ns) -> int:
+    from raysim.app.scaffold import new_method, next_steps
+    for path in new_method(ns.name, ns.dir):
+        print(f"wrote {path}")
+    print(next_steps(ns.name, ns.dir), end="")
+    return 0
+
+
 def _on_sigterm(signum, frame):
     raise Terminated()
 
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ns = _parser().parse_args(argv)
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "methods": cmd_methods,
-                "data": cmd_data, "tune": cmd_tune}[ns.command](ns)
+                "data": cmd_data, "tune": cmd_tune, "new": cmd_new}[ns.command](ns)
     except UserError as err:
         print(f"raysim: error: {first_line(err)}", file=sys.stderr)
         return 2

@@ -1,0 +1,103 @@
+"""raysim from a plain (non-editable) install: the wheel carries the quickstart and the shipped
+configs, and the installed ``raysim`` finds them from any directory. Also how a command-line
+CONFIG is looked up (the current directory first, then the shipped configs)."""
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from raysim.app.shipped import find_config, quickstart, shipped_configs
+from raysim.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("pyproject.toml", "README.md", "raysim", "methods", "tuning", "configs")  # what the build reads
+
+
+def yaml_files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*.yaml")}
+
+
+# ----------------------------------------------------------------------------- the lookup
+
+def test_in_a_source_checkout_the_shipped_configs_are_the_repositorys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the cwd plays no part
+    assert shipped_configs() == ROOT / "configs"
+    assert quickstart() == ROOT / "configs" / "quickstart.yaml"
+
+
+def test_a_relative_config_means_the_current_directory_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fdse").mkdir()
+    (tmp_path / "fdse" / "digits5.yaml").write_text("method: fedavg\n")
+    assert find_config("fdse/digits5.yaml") == "fdse/digits5.yaml"  # the user's, not the shipped one
+
+
+def test_a_config_not_in_the_current_directory_is_a_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = str(ROOT / "configs" / "fdse" / "digits5.yaml")
+    assert find_config("fdse/digits5.yaml") == shipped
+    assert find_config("configs/fdse/digits5.yaml") == shipped  # as the docs spell it
+
+
+def test_a_config_in_neither_place_is_one_line_naming_both(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as err:
+        find_config("fdse/nosuch.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("config file not found: fdse/nosuch.yaml")
+    assert str(tmp_path) in msg and str(ROOT / "configs") in msg
+
+
+# ----------------------------------------------------------------------------- the wheel
+
+def test_the_wheel_installed_in_a_fresh_venv_runs_the_quickstart_check_from_elsewhere(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_"))}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+
+    def sh(*cmd, cwd=tmp_path):
+        r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{cmd}: {r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    # build from a copy of the sources, so no build/ or egg-info lands in the repository (and no
+    # stale build/lib file slips into the wheel); offline, with this venv's setuptools
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, src / name)
+    sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+       "-w", tmp_path / "dist", ".", cwd=src)
+    (wheel,) = (tmp_path / "dist").glob("raysim-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {n.removeprefix("raysim/configs/") for n in names if n.startswith("raysim/configs/")}
+    assert shipped == yaml_files(ROOT / "configs")  # every shipped config, the quickstart among them
+
+    # a fresh venv that sees this venv's packages (torch, ray, ...) after its own, through a plain
+    # path line: this venv's editable raysim (a finder that its own .pth installs) stays out
+    venv = tmp_path / "venv"
+    sh(sys.executable, "-m", "venv", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    purelib = Path(sh(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
+    (purelib / "reuse-test-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    sh(python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "--no-compile", "-q", wheel)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = sh(python, "-c", "import raysim, raysim.app.shipped as s; print(raysim.__file__); print(s.shipped_configs())",
+               cwd=elsewhere).split()
+    assert all(Path(p).is_relative_to(venv) for p in where), where  # the installed copy, not the repository's
+    raysim = venv / "bin" / "raysim"
+    assert "name: quickstart" in sh(raysim, "run", "--check", cwd=elsewhere)
+    out = sh(raysim, "methods", "fedavg", cwd=elsewhere)
+    assert "# fedavg" in out and "configs/quickstart.yaml" in out  # the catalog reads the shipped configs
