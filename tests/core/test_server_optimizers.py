@@ -114,6 +114,17 @@ def test_running_statistics_take_the_mean_and_integer_buffers_are_left_to_it():
     assert set(out[STATE_KEY]["m"]) == {"conv.weight"}  # only the parameters carry optimizer state
 
 
+def test_the_state_carries_from_round_to_round():
+    # momentum, β = 0.5, η = 0.1, from v = 0:  x0 = [1, 2], mean1 = [1.5, 1]: Δ1 = [0.5, −1] = v1,
+    # x1 = [1.05, 1.9];  mean2 = [1.25, 2.1]: Δ2 = [0.2, 0.2], v2 = 0.5 v1 + Δ2 = [0.45, −0.3],
+    # x2 = x1 + 0.1 v2 = [1.095, 1.87]
+    server = ServerConfig(optimizer="momentum", lr=0.1, momentum=0.5)
+    one = aggregate(server, {"global": {"w": X}}, {"w": MEAN})
+    two = aggregate(server, one, {"w": torch.tensor([1.25, 2.1], dtype=torch.float64)})
+    assert two[STATE_KEY]["velocity"]["w"].tolist() == pytest.approx([0.45, -0.3], abs=1e-12)
+    assert two["global"]["w"].tolist() == pytest.approx([1.095, 1.87], abs=1e-12)
+
+
 def test_sgd_at_lr_1_is_the_plain_mean_bit_for_bit():
     gen = torch.Generator().manual_seed(0)
     glob = {"w": torch.randn(5, 3, generator=gen), "bn.num_batches_tracked": torch.tensor(2)}
