@@ -9,6 +9,10 @@ from raysim.core.errors import UserError
 # name -> "module:Class"; imported lazily so a broken optional method never blocks the others.
 _METHODS = {
     "fedavg": "raysim.methods.fedavg:FedAvg",
+    "fedavgm": "raysim.methods.fedopt:FedAvgM",
+    "fedadagrad": "raysim.methods.fedopt:FedAdagrad",
+    "fedadam": "raysim.methods.fedopt:FedAdam",
+    "fedyogi": "raysim.methods.fedopt:FedYogi",
     "fedprox": "raysim.methods.fedprox:FedProx",
     "fedbn": "raysim.methods.fedbn:FedBN",
     "local": "raysim.methods.local:Local",

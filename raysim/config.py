@@ -19,6 +19,7 @@ import yaml
 from raysim.core.errors import UserError
 from raysim.core.files import write_yaml
 from raysim.core.partition_spec import partition_spec
+from raysim.core.server_optimizers import OPTIMIZERS as SERVER_OPTIMIZERS
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
@@ -167,6 +168,32 @@ class ClientsConfig:
 
 
 @dataclass
+class ServerConfig:
+    """The server's step on the round's mean (Reddi et al., "Adaptive Federated Optimization", ICLR
+    2021, Alg. 2; FedJAX's server_optimizer): the default aggregate moves the global parameters
+    along Δ = mean − global with this optimizer (raysim.core.server_optimizers: the equations);
+    running BN statistics take the mean, integer buffers are left to it. The defaults (sgd at lr
+    1) are FedAvg's plain mean, bit for bit. Only for methods that aggregate by the default mean
+    (a method with its own ``aggregate`` refuses any other step); FedAvgM, FedAdam, FedYogi and
+    FedAdagrad are FedAvg with momentum, adam, yogi and adagrad here."""
+    # sgd | momentum | adam | yogi | adagrad; null: the method's own (sgd, FedAdam's adam, ...)
+    optimizer: str | None = setting(None, one_of=SERVER_OPTIMIZERS,
+                                    source="null: the method's (sgd for all but FedAvgM/FedAdam/FedYogi/FedAdagrad)")
+    # η; null: the optimizer's (sgd 1, momentum 1, adagrad 0.1, adam 0.01, yogi 0.01)
+    lr: float | None = setting(None, gt=0, source="Reddi et al. 2021: grid 10^-3..10^1, best per task in their code's "
+                               "docs/hyperparameters.md: FedAvg/FedAvgM 1, FedAdagrad 0.1, FedAdam/FedYogi 0.01")
+    # β of momentum (FedAvgM): v = β v + Δ, x = x + lr v
+    momentum: float = setting(0.9, ge=0, lt=1, expected="0 <= momentum < 1",
+                              source="Hsu et al. 2019; Reddi et al. 2021's FedAvgM (server_sgd_momentum=0.9)")
+    # β1, β2 of adam, yogi (β1 also adagrad's first moment, Alg. 2 line 11)
+    betas: tuple[float, ...] = setting((0.9, 0.99), ge=0, lt=1, expected="two numbers in [0, 1)",
+                                       source="Reddi et al. 2021 FedAdam/FedYogi β1 = 0.9, β2 = 0.99 (as Flower's "
+                                       "FedAdam/FedYogi from arXiv v5; their code's docs: Keras's β2 = 0.999 ran)")
+    # τ, the adaptivity: x = x + lr m / (sqrt(v) + τ); v starts at τ² (Alg. 2: v_-1 >= τ²)
+    tau: float = setting(1e-3, gt=0, source="Reddi et al. 2021: τ = 1e-3, their code's recommended ε (docs/hyperparameters.md)")
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking of every federation (raysim.app.tracking): TensorBoard event files in the
     federation's run directory (``<run_dir>/tb/``), and optionally an MLflow tracking server."""
@@ -196,6 +223,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
@@ -394,6 +422,8 @@ def validate(cfg: ExperimentConfig) -> None:
          "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")
     need(t.mlflow_experiment is None or t.mlflow_experiment.strip() != "",
          "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
+    need(len(cfg.server.betas) == 2,
+         f"config key 'server.betas' = {list(cfg.server.betas)}: expected two numbers in [0, 1) (β1, β2)")
     from raysim.core.tiers import check_profiles
     check_profiles(cfg.clients.profiles)
 

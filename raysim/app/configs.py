@@ -9,11 +9,16 @@ from raysim.config import ExperimentConfig, load_config
 
 
 def check_methods(cfg: ExperimentConfig) -> None:
-    """Every method the config names exists, and its ``hp.<method>`` settings type-check."""
+    """Every method the config names exists, its ``hp.<method>`` settings type-check, and its
+    ``server`` section suits it (a server optimizer only where the default aggregate runs)."""
+    from raysim.core.contract import Method
+    from raysim.core.server_optimizers import resolve
     from raysim.methods import registry
 
     for name in cfg.method_names():
-        registry.get(name)  # raises UserError listing the known methods
+        cls = registry.get(name)  # raises UserError listing the known methods
+        server = (cfg.for_method(name) if name in cfg.per_method else cfg).server
+        resolve(server, cls.server_optimizer, name, own_aggregate=cls.aggregate is not Method.aggregate)
     for name, hp in cfg.hp.items():
         registry.get(name).hparams_from(hp, prefix=f"hp.{name}")
 

@@ -53,6 +53,8 @@ from torch import nn
 from raysim.core.aggregation import Aggregator, WeightedMean
 from raysim.core.errors import TrainingDiverged
 from raysim.core.hparams import Hparams
+from raysim.core.server_optimizers import STATE_KEY as SERVER_OPTIMIZER_STATE
+from raysim.core.server_optimizers import resolve as resolve_server_optimizer
 from raysim.core.tensors import Tensors, cpu_copy, load_tensors
 
 _TRAIN_MAX_STEPS = object()  # ClientContext.batches: "train.max_steps"
@@ -77,6 +79,9 @@ class Setup:
     # overrides (``norm=``) allowed: the engine passes raysim.models.from_setup; the contract
     # itself builds no model (it sits below the model zoo)
     model_builder: Callable[..., nn.Module] | None = None
+    # the config's server section (raysim.config.ServerConfig: the server optimizer of the default
+    # aggregate); None: its defaults
+    server: Any = None
 
 
 @dataclass
@@ -253,6 +258,9 @@ class Method:
     # train one model on every client's data at once (DeepAll, the centralised reference): the
     # engine gives the federation a single client holding all the training clients' data
     pools_clients: ClassVar[bool] = False
+    # the server optimizer of the default aggregate when the config names none (server.optimizer):
+    # "sgd" (at server.lr 1, the plain mean); FedAvgM, FedAdam, ... (methods/fedopt.py) set theirs
+    server_optimizer: ClassVar[str] = "sgd"
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp
@@ -300,8 +308,16 @@ class Method:
 
     def aggregate(self, state: dict, uploads, round: int) -> dict:
         """The server step over what ``aggregator`` reduced the round's uploads to; FedAvg: the
-        global tensors become the weighted mean (:class:`raysim.core.aggregation.Mean`)."""
-        return {**state, "global": {**state["global"], **uploads.mean}}
+        global tensors become the weighted mean (:class:`raysim.core.aggregation.Mean`). With a
+        server optimizer (``server.optimizer``, or the method's ``server_optimizer``) the global
+        parameters instead take its step along Δ = mean − global
+        (:mod:`raysim.core.server_optimizers`), its state kept in the server's state; SGD at
+        η = 1 skips it: the mean, bit for bit."""
+        opt = resolve_server_optimizer(getattr(self.setup, "server", None), self.server_optimizer, self.name)
+        if opt.plain_mean:
+            return {**state, "global": {**state["global"], **uploads.mean}}
+        new, opt_state = opt.update(state["global"], uploads.mean, state.get(SERVER_OPTIMIZER_STATE))
+        return {**state, "global": new, SERVER_OPTIMIZER_STATE: opt_state}
 
     def client_footprint(self, client_id: int, dense: dict) -> dict:
         """What the client's device must hold, for its memory budget (``clients.profiles``

@@ -138,7 +138,7 @@ class Federation:
                      client_domains=ClientDomains.of(part),
                      model=self.cfg.model, train=self.cfg.train, rounds=self.cfg.rounds, seed=self.cfg.seed,
                      client_profiles=client_profiles(self.cfg.clients.profiles, part.num_clients, self.cfg.seed),
-                     model_builder=from_setup)
+                     model_builder=from_setup, server=self.cfg.server)
 
     @cached_property
     def method(self):

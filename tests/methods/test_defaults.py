@@ -79,6 +79,10 @@ PINNED = {
                'rp_size': 1024,
                'upload': 'last'},
     'fedavg': {},
+    'fedadagrad': {},  # the server optimizer's defaults are the config's (raysim.config.ServerConfig)
+    'fedadam': {},
+    'fedavgm': {},
+    'fedyogi': {},
     'fedavg_gn': {},
     'fedavg_ln': {},
     'fedavg_mixstyle': {'p': 0.5, 'alpha': 0.1, 'eps': 1e-06},
