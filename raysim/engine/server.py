@@ -173,15 +173,16 @@ class Server:
             late = any(m.get("dropped_deadline") for m in metrics.values())
             clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
                      "completed": float(len(done)), "sampled": float(len(metrics))}
-            if self._answers.sim_seconds:  # select asked for losses first: the slowest answer, then training
-                select_s = max(self._answers.sim_seconds.values())
+            asked = getattr(self, "_answers", None)
+            if asked is not None and asked.sim_seconds:  # select asked for losses: the slowest answer, then training
+                select_s = max(asked.sim_seconds.values())
                 clock.update(sim_round_s=select_s + clock["sim_round_s"], sim_select_s=select_s,
-                             queried=float(len(self._answers.sim_seconds)))
+                             queried=float(len(asked.sim_seconds)))
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             bytes_up_eval=sum(r.bytes_up_eval for r in results),
                             server_metrics=self.method.server_metrics(self.state), clock=clock,
-                            bytes_down=getattr(self, "_bytes_down", 0) + self._bytes_query,
+                            bytes_down=getattr(self, "_bytes_down", 0) + getattr(self, "_bytes_query", 0),
                             host_seconds={r.host: r.seconds for r in results})
 
     # ------------------------------------------------------------------ checkpoints and recovery
