@@ -1,7 +1,8 @@
 """What the driver, the server and the hosts send each other in a round, as typed records.
 
 A method's selection may first ask the candidates for their local losses (``Method.select``): the
-server's :class:`LossQuery`, answered by each host as :class:`LocalLosses`. A host's clients' training comes back as :class:`TrainedClients` (one call's share) and
+server's :class:`LossQuery`, answered by each host as :class:`LocalLosses`. A host's clients'
+training comes back as :class:`TrainedClients` (one call's share) and
 :class:`HostRoundResult` (the host's whole round); the server reduces those to a
 :class:`RoundSummary` (what the round-loop callbacks receive); an evaluation comes back from each
 host as :class:`SplitScores` per (client, split). Ray pickles these between actors; none of them

@@ -1,5 +1,6 @@
-"""Server: holds the global state, selects the round's clients (the method's ``select``), reduces the hosts' partial results with the
-method's aggregator (in host order: see raysim.core.aggregation) and runs the method's server step.
+"""Server: holds the global state, selects the round's clients (the method's ``select``), reduces
+the hosts' partial results with the method's aggregator (in host order: see
+raysim.core.aggregation) and runs the method's server step.
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ class Server:
             clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
                      "completed": float(len(done)), "sampled": float(len(metrics))}
             asked = getattr(self, "_answers", None)
-            if asked is not None and asked.sim_seconds:  # select asked for losses: the slowest answer, then training
+            if asked is not None and asked.sim_seconds:  # losses asked first: the slowest answer, then training
                 select_s = max(asked.sim_seconds.values())
                 clock.update(sim_round_s=select_s + clock["sim_round_s"], sim_select_s=select_s,
                              queried=float(len(asked.sim_seconds)))

@@ -187,7 +187,8 @@ def test_the_default_select_is_the_old_draw_bit_for_bit(extra, tmp_path, ray_ses
     if extra:  # every branch of the old draw: m or fewer online, some of the 6, all 6
         assert {len(server.online(r)) for r in range(1, 13)} == {3, 4, 5, 6}
     # and through the round loop: the clients that trained are the old draw's
-    df = testing.run_rounds("fedavg", tmp_path / "run", "rounds=3", config={k: v for k, v in raw.items() if k != "method"})
+    config = {k: v for k, v in raw.items() if k != "method"}
+    df = testing.run_rounds("fedavg", tmp_path / "run", "rounds=3", config=config)
     rows = df[(df.split == "train") & (df.client >= 0) & (df.metric == "loss")]
     assert [sorted(rows[rows["round"] == r].client) for r in (1, 2, 3)] == [old for _, old in draws[:3]]
 
