@@ -47,6 +47,7 @@ _METHODS = {
     "feddrop": "raysim.methods.feddrop:FedDrop",
     "fedmp": "raysim.methods.fedmp:FedMP",
     "nefl": "raysim.methods.nefl:NeFL",
+    "powerofchoice": "raysim.methods.powerofchoice:PowerOfChoice",
 }
 
 

@@ -135,6 +135,12 @@ class ClientClock:
         return dict(sim_compute_s=compute, sim_comm_s=comm, sim_seconds=compute + comm,
                     completed=0.0 if late else 1.0, dropped_deadline=1.0 if late else 0.0, dropped_memory=0.0)
 
+    def answer_seconds(self, cid: int, macs: float, bytes_down: int, bytes_up: int) -> float:
+        """The client's simulated time to answer a loss query (``Method.select``): the forward
+        passes it ran at its device's speed, the model's download and the answer's upload."""
+        compute, comm = device_time(self.profile_of(cid), 2 * macs, bytes_down, bytes_up)  # FLOPs = 2 x MACs
+        return compute + comm
+
     @staticmethod
     def dropped_metrics() -> dict:
         """The metrics of a client that does not :meth:`fit <fits>` (it does not train)."""

@@ -12,6 +12,7 @@ method's state.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import OrderedDict
@@ -30,7 +31,9 @@ from raysim.engine.compute import ComputeMeter
 from raysim.engine.determinism import configure as configure_determinism
 from raysim.engine.evaluation import Evaluator
 from raysim.engine.federation import Federation
-from raysim.engine.messages import HostRoundResult, SplitScores, TrainedClients, client_payload, unbox
+from raysim.core.training import evaluate
+from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, TrainedClients, client_payload,
+                                    unbox)
 from raysim.core.seeding import generator_for
 from raysim.engine.store import ClientStateStore, state_nbytes
 from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
@@ -323,6 +326,33 @@ class ClientHost:
             record = self.store.get(cid)
             if record is not None:
                 out[cid] = to_device(record, "cpu", what="state")  # as it travels: on the CPU
+        return out
+
+    # ------------------------------------------------------------------ selection
+    def local_losses(self, rnd: int, payload_box: list, client_ids: list[int],
+                     personal_boxes: dict | None = None) -> LocalLosses:
+        """Each listed client's mean cross-entropy over its training data of the model it would
+        train from this round (the payload and its state, as ``Method.load_client_model`` builds
+        it): the Power-of-Choice estimate F_k(w^t). Eval mode (BN's running statistics, no
+        dropout, no augmentation), forward passes only: a function of the model and the data,
+        drawing nothing and changing no state. With client profiles, each client's passes and
+        download are charged to its simulated clock; a client whose device cannot hold the model
+        answers nan at no cost."""
+        payload = to_device(unbox(payload_box), self.device, what="payload")  # once per query, as in a round
+        personal_boxes = personal_boxes or {}
+        out = LocalLosses()
+        for cid in sorted(client_ids):
+            if self._clocked and not self.clock.fits(cid):
+                out.losses[cid], out.sim_seconds[cid] = math.nan, 0.0
+                continue
+            mine = client_payload(payload, personal_boxes.get(cid), self.device)
+            self.method.load_client_model(self.model, mine, self._record(cid)["state"])
+            with ComputeMeter() if self._clocked else nullcontext() as meter, \
+                    dropout_generator(generator_for(self.cfg.seed, rnd, cid, "local_loss", self.device)):
+                r = evaluate(self.model, self.data[cid].train, max(self.cfg.train.batch_size, 256), self.device)
+            out.losses[cid] = r["loss_sum"] / r["n"] if r["n"] else math.nan
+            if self._clocked:  # the model down, one float64 up
+                out.sim_seconds[cid] = self.clock.answer_seconds(cid, meter.macs, tensors_nbytes(mine), 8)
         return out
 
     # ------------------------------------------------------------------ evaluation

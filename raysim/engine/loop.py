@@ -24,7 +24,7 @@ from raysim.engine import checkpoint
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, RunFailed
-from raysim.engine.messages import RoundSummary, TrainedClients, box
+from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
 from raysim.engine.backend import RayActors
@@ -204,6 +204,8 @@ class FederationRun:
     def _round(self, rnd: int) -> tuple[RoundSummary, dict | None]:
         cfg, server = self.cfg, self.server
         sampled = self._call(server.sample.remote(rnd))
+        while isinstance(sampled, LossQuery):  # the method's select asked for the candidates' local losses
+            sampled = self._call(server.sample.remote(rnd, self._local_losses(sampled)))
         payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
         if self.plan is None or len(self.hosts) == 1:
             futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
@@ -229,6 +231,14 @@ class FederationRun:
         self.log.add_round(rnd, summary, self.domain_of)
         evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
         return summary, evaluation
+
+    def _local_losses(self, query: LossQuery) -> LocalLosses:
+        """The answers to ``query``, each client's from its owner host (every record is home
+        between rounds), the hosts computing at once."""
+        futures = [self.hosts[h].local_losses.remote(query.round, query.payload, cids,
+                                                     {c: query.personal[c] for c in cids if c in query.personal})
+                   for h, cids in split_by_host(query.clients, self.owner).items()]
+        return LocalLosses.combined(self._call(futures))
 
     def _train_balanced(self, rnd: int, sampled: list[int], payload_box: list, personal: dict):
         """Train the round's clients in chunks handed to hosts as they free up (``self.plan``);

@@ -1,6 +1,8 @@
 """What the driver, the server and the hosts send each other in a round, as typed records.
 
-A host's clients' training comes back as :class:`TrainedClients` (one call's share) and
+A method's selection may first ask the candidates for their local losses (``Method.select``): the
+server's :class:`LossQuery`, answered by each host as :class:`LocalLosses`. A host's clients'
+training comes back as :class:`TrainedClients` (one call's share) and
 :class:`HostRoundResult` (the host's whole round); the server reduces those to a
 :class:`RoundSummary` (what the round-loop callbacks receive); an evaluation comes back from each
 host as :class:`SplitScores` per (client, split). Ray pickles these between actors; none of them
@@ -47,6 +49,42 @@ def client_payload(payload: dict, personal, device) -> dict:
         return payload
     from raysim.core.tensors import to_device  # not at the top: the driver reads these records without torch
     return {**payload, "personal": to_device(fetched(personal), device, what="personal")}
+
+
+# ----------------------------------------------------------------------------- selection
+
+@dataclass
+class LossQuery:
+    """The server's answer to ``sample`` when the method's ``select`` asked for local losses the
+    engine has not fetched yet: the hosts holding ``clients`` compute them
+    (:meth:`ClientHost.local_losses`) and the driver calls ``sample`` again with them."""
+
+    round: int
+    clients: list[int]
+    """The clients asked (ascending), each answered by its owner host."""
+    payload: list
+    """The round's payload in a box (:func:`box`): the model each client would train from."""
+    personal: dict
+    """Client id -> its own part of the payload (a reference), for methods that have one."""
+
+
+@dataclass
+class LocalLosses:
+    """Clients' answers to a :class:`LossQuery`."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    """Each client's mean cross-entropy of the round's model over its training data (eval mode)."""
+    sim_seconds: dict[int, float] = field(default_factory=dict)
+    """With client profiles: each client's simulated time to answer (forward passes, download)."""
+
+    @staticmethod
+    def combined(parts) -> "LocalLosses":
+        """One record of several hosts' (or queries') answers."""
+        out = LocalLosses()
+        for part in parts:
+            out.losses.update(part.losses)
+            out.sim_seconds.update(part.sim_seconds)
+        return out
 
 
 # ----------------------------------------------------------------------------- training

@@ -1,5 +1,6 @@
-"""Server: holds the global state, samples clients, reduces the hosts' partial results with the
-method's aggregator (in host order: see raysim.core.aggregation) and runs the method's server step.
+"""Server: holds the global state, selects the round's clients (the method's ``select``), reduces
+the hosts' partial results with the method's aggregator (in host order: see
+raysim.core.aggregation) and runs the method's server step.
 """
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import numpy as np
 import torch
 
 from raysim.core.aggregation import WeightedMean
+from raysim.core.contract import SelectionContext
 from raysim.core.errors import UserError
 from raysim.engine.clock import read_trace
 from raysim.engine.federation import ClientDomains, Federation
-from raysim.engine.messages import HostRoundResult, RoundSummary, box
+from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, box
 from raysim.core.seeding import SERVER, rng_for
 from raysim.core.tensors import tensors_nbytes
 
@@ -37,6 +39,7 @@ class Server:
         trace = self.cfg.clients.profiles.trace
         self.online_by_round = trace_by_round(read_trace(trace), self.n) if trace else None
         self.availability = level_availability(self.fed.setup.client_profiles)
+        self._answers, self._bytes_query = LocalLosses(), 0  # the round's loss queries (Method.select)
         return self.describe()
 
     def _clients_per_round(self) -> int:
@@ -62,15 +65,55 @@ class Server:
                 "num_train": [partition.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
-    def sample(self, rnd: int) -> list[int]:
-        """The round's clients: ``clients_per_round`` of those online (client profiles' availability)."""
+    def sample(self, rnd: int, answers: LocalLosses | None = None) -> list[int] | LossQuery:
+        """The round's clients (ascending), as the method's ``select`` picks them from those online
+        (client profiles' availability): by default ``clients_per_round`` drawn uniformly.
+
+        Where ``select`` asks for local losses not fetched yet, a :class:`LossQuery` instead: the
+        driver has the hosts answer it and calls again with their ``answers`` (added to the round's
+        earlier ones); ``select`` then runs again from the same keyed generator."""
+        if answers is None:  # the round's first call
+            self._answers, self._bytes_query = LocalLosses(), 0
+        else:
+            self._answers = LocalLosses.combined([self._answers, answers])
         online = self.online(rnd)
-        if self.per_round >= len(online):
-            return [int(c) for c in online]
-        rng = rng_for(self.cfg.seed, rnd, SERVER, "sample")
-        if len(online) == self.n:
-            return sorted(int(c) for c in rng.choice(self.n, size=self.per_round, replace=False))
-        return sorted(int(online[int(i)]) for i in rng.choice(len(online), size=self.per_round, replace=False))
+        ctx = SelectionContext(round=rnd, online=online, m=self.per_round,
+                               rng=rng_for(self.cfg.seed, rnd, SERVER, "sample"), num_train=self._num_train,
+                               ask=lambda ids: self._losses(rnd, online, ids))
+        try:
+            chosen = self.method.select(self.state, ctx)
+        except _LossesNeeded as need:
+            payload, personal, down = self._payloads(rnd, need.clients, for_training=True)
+            self._bytes_query += down
+            return LossQuery(rnd, need.clients, box(payload), personal)
+        return self._online_subset(rnd, online, chosen, "chose")
+
+    def _num_train(self, cid: int) -> int:
+        return self.fed.partition.num_samples(int(cid), "train")
+
+    def _losses(self, rnd: int, online, ids: list[int]) -> list[float]:
+        """``SelectionContext.local_losses``: the answers fetched, or the query for the missing ones."""
+        self._online_subset(rnd, online, ids, "asked for the local loss of")
+        missing = sorted({c for c in ids if c not in self._answers.losses})
+        if missing:
+            raise _LossesNeeded(missing)
+        return [self._answers.losses[c] for c in ids]
+
+    def _online_subset(self, rnd: int, online, ids, what: str) -> list[int]:
+        """``ids`` ascending, checked to be distinct clients online in round ``rnd`` (what a plugin's
+        ``select`` returns or asks about); costs the ids, not the federation."""
+        ids = sorted(int(c) for c in ids)
+        twice = next((a for a, b in zip(ids, ids[1:]) if a == b), None)
+        if isinstance(online, range):
+            offline = next((c for c in ids if c not in online), None)
+        else:
+            arr = np.asarray(online, dtype=np.int64)
+            pos = np.minimum(np.searchsorted(arr, ids), max(len(arr) - 1, 0))
+            offline = next((c for c, p in zip(ids, pos.tolist()) if not len(arr) or arr[p] != c), None)
+        if twice is not None or offline is not None:
+            why = f"client {twice} twice" if twice is not None else f"client {offline}, not online"
+            raise UserError(f"method {self.method.name}: select {what} {why} in round {rnd}")
+        return ids
 
     def online(self, rnd: int):
         """Client ids online in round ``rnd`` (ascending): every client (a range) without profiles;
@@ -90,6 +133,13 @@ class Server:
         (:func:`raysim.engine.messages.box`), the clients' own parts as refs inside a dict (which
         Ray passes on unresolved as well).
         """
+        payload, personal, down = self._payloads(rnd, client_ids, for_training)
+        if for_training:
+            self._bytes_down = down
+        return box(payload), personal
+
+    def _payloads(self, rnd: int, client_ids: list[int], for_training: bool):
+        """(the payload's ref, {client id: its own part's ref}, bytes sent to ``client_ids``)."""
         if for_training:
             payload = self.method.broadcast(self.state, rnd)
         else:
@@ -103,9 +153,7 @@ class Server:
             if p is not None:
                 personal[cid] = _put(p)
                 down += tensors_nbytes(p)
-        if for_training:
-            self._bytes_down = down
-        return box(_put(payload)), personal
+        return _put(payload), personal, down
 
     def aggregate(self, rnd: int, *host_results: HostRoundResult) -> RoundSummary:
         """Reduce the hosts' results of round ``rnd`` (in host order), run the method's server step,
@@ -126,11 +174,16 @@ class Server:
             late = any(m.get("dropped_deadline") for m in metrics.values())
             clock = {"sim_round_s": self.cfg.clients.deadline_s if late else max(done, default=0.0),
                      "completed": float(len(done)), "sampled": float(len(metrics))}
+            asked = getattr(self, "_answers", None)
+            if asked is not None and asked.sim_seconds:  # losses asked first: the slowest answer, then training
+                select_s = max(asked.sim_seconds.values())
+                clock.update(sim_round_s=select_s + clock["sim_round_s"], sim_select_s=select_s,
+                             queried=float(len(asked.sim_seconds)))
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             bytes_up_eval=sum(r.bytes_up_eval for r in results),
                             server_metrics=self.method.server_metrics(self.state), clock=clock,
-                            bytes_down=getattr(self, "_bytes_down", 0),
+                            bytes_down=getattr(self, "_bytes_down", 0) + getattr(self, "_bytes_query", 0),
                             host_seconds={r.host: r.seconds for r in results})
 
     # ------------------------------------------------------------------ checkpoints and recovery
@@ -167,6 +220,15 @@ def trace_by_round(trace: set[tuple[int, int]], num_clients: int) -> dict[int, l
         if 0 <= client < num_clients:
             by_round.setdefault(rnd, []).append(client)
     return {rnd: sorted(clients) for rnd, clients in by_round.items()}
+
+
+class _LossesNeeded(BaseException):
+    """Raised inside ``select`` where it asks for local losses not fetched yet: ``sample`` turns it
+    into a LossQuery. A BaseException, so a ``select`` that catches Exception does not swallow it."""
+
+    def __init__(self, clients: list[int]):
+        super().__init__(clients)
+        self.clients = clients
 
 
 def _put(obj):

@@ -133,6 +133,7 @@ PINNED = {
     'moon': {'mu': 1.0, 'tau': 0.5, 'head': 'mlp', 'proj_dim': 256},
     'nefl': {'rho_levels': (0.0, 0.2, 0.4, 0.6, 0.8), 'learnable_step': True},
     'partialfed': {'keep': ('bn', 'head')},
+    'powerofchoice': {'d': None, 'variant': 'pow-d'},
     'scaffold': {'eta_g': 1.0, 'option': 'II'},
     'silobn': {},
 }
