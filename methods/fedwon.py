@@ -216,14 +216,10 @@ class FedWon(Method):
         return ws_conv_factory(hp.ws_eps, hp.ws_unbiased, hp.ws_gain_init, hp.ws_bias, hp.ws_plain_convs)
 
     def build_model(self) -> nn.Module:
-        from raysim.models import build, is_norm
+        from raysim.models import is_norm
         m = self.setup.model
-        options = {k: v for k, v in dict(m.options).items() if k not in ("norm", "conv")}
         conv = self.conv_factory()
-        if conv is not None:
-            options["conv"] = conv
-        model = build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                      input_size=self.setup.image_shape[-1], norm="none", pretrained=m.pretrained, **options)
+        model = self.base_model(norm="none") if conv is None else self.base_model(norm="none", conv=conv)
         left = [n for n, mod in model.named_modules() if is_norm(mod)]
         if left:
             raise UserError(f"fedwon: model {m.name!r} still has normalization layers {left[:3]}")

@@ -102,12 +102,10 @@ class GFedAvg(Method):
     shares = 'shares the whole model (FedAvg + guiding regularizer); keeps nothing'
 
     def build_model(self) -> nn.Module:
-        from raysim.models import build
-        m = self.setup.model
-        if not (m.norm is None or str(m.norm).lower() in ("default", "bn")):
-            raise UserError(f"{self.name} builds on BatchNorm layers; model.norm = {m.norm!r} (use bn)")
-        return build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                     input_size=self.setup.image_shape[-1], norm="bn", pretrained=m.pretrained, **m.options)
+        norm = self.setup.model.norm
+        if not (norm is None or str(norm).lower() in ("default", "bn")):
+            raise UserError(f"{self.name} builds on BatchNorm layers; model.norm = {norm!r} (use bn)")
+        return self.base_model(norm="bn")
 
     # ---- client ---------------------------------------------------------------------------
     def local_update(self, ctx: ClientContext) -> Upload:

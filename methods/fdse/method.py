@@ -121,12 +121,9 @@ class FDSE(Method):
 
     # ---- model (Sec. 4.1) -------------------------------------------------------------------
     def build_model(self):
-        from raysim.models import build
-        m = self.setup.model
-        if m.pretrained:
+        if self.setup.model.pretrained:
             raise UserError("FDSE re-creates every layer as a DSE block; 'model.pretrained' cannot be used")
-        base = build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                     input_size=self.setup.image_shape[-1], norm="bn", **m.options)
+        base = self.base_model(norm="bn")
         hp = self.hp
         return decompose(base, G=hp.G, dw=hp.dw, dw_fc=hp.dw_fc, dse_act=hp.dse_act)
 
