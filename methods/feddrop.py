@@ -117,7 +117,7 @@ class FedDrop(SubModelMethod):
         return dropout_plan([g.size for g in groups], self.client_rho(ctx.client_id), gen)
 
     def aggregate(self, state, uploads, round):
-        if self.hp.aggregation == "all" or not uploads.each:
+        if self.hp.aggregation == "all":
             return super().aggregate(state, uploads, round)
         prev = state["global"]
         items = ((up.tensors, self.upload_slices(up), up.weight) for up in uploads.each.values())

@@ -74,8 +74,6 @@ class FedHEAL(Method):
         return {**super().init_server(model), "params": params, "clients": {}}
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         prev, hp = state["global"], self.hp
         params = set(state["params"])
         floats = [k for k, v in prev.items() if v.is_floating_point()]

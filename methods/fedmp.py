@@ -124,7 +124,5 @@ class FedMP(SubModelMethod):
         return l1_plan(scores, self.client_rho(ctx.client_id))
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         subs = ((up.tensors, self.upload_slices(up), up.weight) for up in uploads.each.values())
         return {**state, "global": r2sp(subs, state["global"])}

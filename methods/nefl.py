@@ -200,8 +200,6 @@ class NeFL(SubModelMethod):
             apply_masks(model, train_masks(model, slices(self.ref.dims, plan)))
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         prev = state["global"]
         incons = set(next(iter(state["inconsistent"].values())))
         consistent = [k for k in prev if k not in incons]

@@ -421,8 +421,6 @@ class SubModelMethod(Method):
 
     # ---- server ------------------------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
         prev = state["global"]
         recovered = ((recover(up.tensors, self.upload_slices(up), prev), up.weight) for up in uploads.each.values())
         return {**state, "global": weighted_mean(recovered, like=prev)}

@@ -177,8 +177,6 @@ class CSAC(Method):
     # ---- server ---------------------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:
         """Eqs. 3-4 over every client's full state dict (buffers included), ascending ids."""
-        if not uploads.each:
-            return state
         cids = uploads.clients
         fused, weights = fuse([uploads.each[c].tensors for c in cids], self.hp.fusion, self.hp.fusion_distance)
         return {**state, "global": {**state["global"], **fused},

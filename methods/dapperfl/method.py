@@ -372,8 +372,6 @@ class DapperFL(Method):
 
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
         prev = state["global"]
         recovered = ((recover(up.tensors, up.extras.get("masks", {}), prev, self.hp.use_recovery), up.weight)
                      for up in uploads.each.values())  # Eq. 6, client by client

@@ -142,8 +142,6 @@ class FDSE(Method):
         return {"dse": state["dse"].get(client_id, state["dse_init"])}
 
     def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
         ids, ups = list(uploads.each), list(uploads.each.values())
         new_global = {}
         for key, cur in state["global"].items():

@@ -15,7 +15,8 @@ bottom it is the paper's algorithm box:
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
 client, keeps ``ctx.state`` for that client between rounds (spilling it to disk when idle), folds
-the uploads with the method's aggregator and hands the result to ``aggregate``.
+the uploads with the method's aggregator and hands the result to ``aggregate`` (only in a round
+that has uploads).
 
 Placement (where tensors live; on a CPU host everything is on the CPU and nothing moves):
 
@@ -81,11 +82,17 @@ class Setup:
 
 @dataclass
 class Upload:
-    """What one client sends back after its local step."""
+    """What one client sends back after its local step.
+
+    Non-model vectors the server averages (SCAFFOLD's control-variate update Delta c_i) go in
+    ``statistics``, under their own names: :class:`~raysim.core.aggregation.WeightedMean` folds
+    them as it folds ``tensors``, with the same weight, into ``Mean.statistics``. What the server
+    needs client by client (masks, prototypes, a bank's entries) goes in ``extras``."""
     tensors: Tensors  # usually the trained shared tensors: folded by the method's aggregator
     weight: float  # aggregation weight (n_k by default, see train.weighting)
-    extras: dict = field(default_factory=dict)  # anything else the server needs (masks, statistics, prototypes)
+    extras: dict = field(default_factory=dict)  # anything else the server needs, by client (masks, prototypes)
     metrics: dict = field(default_factory=dict)  # e.g. {"loss": mean training loss}
+    statistics: Tensors = field(default_factory=dict)  # averaged like ``tensors`` (same weight), kept apart
 
 
 @dataclass
@@ -300,7 +307,11 @@ class Method:
 
     def aggregate(self, state: dict, uploads, round: int) -> dict:
         """The server step over what ``aggregator`` reduced the round's uploads to; FedAvg: the
-        global tensors become the weighted mean (:class:`raysim.core.aggregation.Mean`)."""
+        global tensors become the weighted mean (:class:`raysim.core.aggregation.Mean`).
+
+        Called only with uploads (at least one client of the round uploaded): a round whose
+        clients all dropped (deadline, memory, availability) has no server step, and the state
+        stays as it was."""
         return {**state, "global": {**state["global"], **uploads.mean}}
 
     def client_footprint(self, client_id: int, dense: dict) -> dict:
