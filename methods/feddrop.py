@@ -63,12 +63,11 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FedDropHparams(Hparams):
-    rho: float = setting(0.6, ge=0, lt=1, source="DapperFL's code best_args (uniform 0.6); the paper sweeps it")  # fraction of every layer's filters / units dropped
-    # one ratio per capability tier instead of rho (None: rho for everyone, DapperFL's comparison)
-    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1, source="paper and DapperFL: one ratio for every client")
-    mask_scope: str = setting("client", one_of=("client", "round"), source="ours: the paper is silent (the usual per-client reading)")  # a sub-model per client and round | per round
-    aggregation: str = setting("all", one_of=("all", "holders"), source="paper: updates mapped back, averaged as in FedAvg")  # zero update where dropped | holders' mean
-    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (inverted dropout)
+    rho: float = setting(0.6, ge=0, lt=1, source="DapperFL's code best_args (uniform 0.6); the paper sweeps it", doc="fraction of every layer's filters / units dropped")
+    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1, source="paper and DapperFL: one ratio for every client", doc="one ratio per capability tier instead of rho (None: rho for everyone, DapperFL's comparison)")
+    mask_scope: str = setting("client", one_of=("client", "round"), source="ours: the paper is silent (the usual per-client reading)", doc="a sub-model per client and round | per round")
+    aggregation: str = setting("all", one_of=("all", "holders"), source="paper: updates mapped back, averaged as in FedAvg", doc="zero update where dropped | holders' mean")
+    rescale: bool = setting(False, source="paper: describes no rescaling", doc="train with each layer's output x C / kept of its input (inverted dropout)")
 
     def __post_init__(self):
         if self.rho_levels is not None and not self.rho_levels:

@@ -35,8 +35,8 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FedHEALHparams(Hparams):
-    tau: float = setting(0.3, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --threshold 0.3)")  # consistency threshold; the middle of FDSE's grid
-    beta: float = setting(0.4, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --beta 0.4)")  # momentum of the weight updates
+    tau: float = setting(0.3, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --threshold 0.3)", doc="consistency threshold; the middle of FDSE's grid")
+    beta: float = setting(0.4, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --beta 0.4)", doc="momentum of the weight updates")
 
     @classmethod
     def search_space(cls):

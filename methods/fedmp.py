@@ -64,10 +64,10 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
 
 @dataclass(frozen=True)
 class FedMPHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL Sec. 4.2 / code pr_ratios (FedMP's bandit not implemented)")  # pruning ratio of each capability tier
-    rho: float | None = setting(None, ge=0, lt=1, source="DapperFL Tables 1-2: ratios by tier, none uniform")  # one ratio for every client (DapperFL Fig. 3); overrides tiers
-    prune_stem: bool = setting(False, source="DapperFL's pruning rule: stem skipped (spec 6.1 [R])")  # also prune the stem's filters (and, in a ResNet, layer1's stream)
-    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (HeteroFL's scaler)
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL Sec. 4.2 / code pr_ratios (FedMP's bandit not implemented)", doc="pruning ratio of each capability tier")
+    rho: float | None = setting(None, ge=0, lt=1, source="DapperFL Tables 1-2: ratios by tier, none uniform", doc="one ratio for every client (DapperFL Fig. 3); overrides tiers")
+    prune_stem: bool = setting(False, source="DapperFL's pruning rule: stem skipped (spec 6.1 [R])", doc="also prune the stem's filters (and, in a ResNet, layer1's stream)")
+    rescale: bool = setting(False, source="paper: describes no rescaling", doc="train with each layer's output x C / kept of its input (HeteroFL's scaler)")
 
     def __post_init__(self):
         if not self.rho_levels:

@@ -66,8 +66,8 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers: widths 1, 0.8, 0.6
 
 @dataclass(frozen=True)
 class NeFLHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL's code best_args (ps = (1 - rho)^2)")  # sub-model i has width 1 - rho_levels[i]
-    learnable_step: bool = setting(True, source="paper (learnable step sizes); DapperFL's code learnable_step=1")  # x + s_l F_l(x) with s_l learned per sub-model
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL's code best_args (ps = (1 - rho)^2)", doc="sub-model i has width 1 - rho_levels[i]")
+    learnable_step: bool = setting(True, source="paper (learnable step sizes); DapperFL's code learnable_step=1", doc="x + s_l F_l(x) with s_l learned per sub-model")
 
     def __post_init__(self):
         if not self.rho_levels:

@@ -132,8 +132,8 @@ class SiloBN(Method):
 
 @dataclass(frozen=True)
 class FixBNHparams(Hparams):
-    switch_frac: float = setting(0.5, ge=0, le=1, source="FedWon spec 9.18: T* = R/2 after the FixBN paper (not checked against its text)")  # stage 1 = the first round(switch_frac * rounds) rounds
-    switch_round: int = setting(0, ge=0, source="ours: 0 = use switch_frac")  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
+    switch_frac: float = setting(0.5, ge=0, le=1, source="FedWon spec 9.18: T* = R/2 after the FixBN paper (not checked against its text)", doc="stage 1 = the first round(switch_frac * rounds) rounds")
+    switch_round: int = setting(0, ge=0, source="ours: 0 = use switch_frac", doc="> 0 overrides switch_frac: stage 1 = rounds 1..switch_round")
 
     @classmethod
     def search_space(cls):

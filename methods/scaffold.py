@@ -45,8 +45,8 @@ from raysim.core.tensors import cpu_copy
 
 @dataclass(frozen=True)
 class ScaffoldHparams(Hparams):
-    eta_g: float = setting(1.0, gt=0, source="paper (default eta_g = 1); FLGo eta=1.0 agrees (spec 2.1)")  # global step size
-    option: str = setting("II", one_of=("I", "II"), source="FLGo, the code FDSE ran (spec 2.1 pitfall 1); the paper offers both")  # c_i+ of Alg. 1 line 12
+    eta_g: float = setting(1.0, gt=0, source="paper (default eta_g = 1); FLGo eta=1.0 agrees (spec 2.1)", doc="global step size")
+    option: str = setting("II", one_of=("I", "II"), source="FLGo, the code FDSE ran (spec 2.1 pitfall 1); the paper offers both", doc="c_i+ of Alg. 1 line 12")
 
     @classmethod
     def search_space(cls):
