@@ -56,7 +56,8 @@ import torch
 
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
-from raysim.methods.submodels import SubModelMethod, client_tier, holder_mean, num_kept
+from raysim.methods.lib.masks import num_kept
+from raysim.methods.lib.submodels import SubModelMethod, holder_mean
 from raysim.core.seeding import SERVER, generator_for
 from raysim.core.settings import setting
 
@@ -101,7 +102,7 @@ class FedDrop(SubModelMethod):
         levels = self.hp.rho_levels
         if levels is None:
             return self.hp.rho
-        return levels[client_tier(self.setup, client_id, len(levels), self.name)]
+        return levels[self.tiers(client_id)]
 
     def client_metrics(self, client_id: int) -> dict:
         return {"rho": self.client_rho(client_id)}

@@ -55,8 +55,8 @@ import torch
 from raysim.core.aggregation import weighted_mean
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
-from raysim.methods.dapperfl.masks import top_mask
-from raysim.methods.submodels import SubModelMethod, client_tier, num_kept, recover
+from raysim.methods.lib.masks import num_kept, top_mask
+from raysim.methods.lib.submodels import SubModelMethod, recover
 from raysim.core.settings import setting
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
@@ -102,7 +102,7 @@ class FedMP(SubModelMethod):
     shares = 'shares pruned sub-models (tier ratios); server recovers them with the residual'
 
     def client_tier(self, client_id: int) -> int:
-        return client_tier(self.setup, client_id, len(self.hp.rho_levels), self.name)
+        return self.tiers(client_id)
 
     def client_rho(self, client_id: int) -> float:
         return self.hp.rho if self.hp.rho is not None else self.hp.rho_levels[self.client_tier(client_id)]

@@ -54,8 +54,9 @@ from torch import nn
 from raysim.core.aggregation import weighted_mean
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams
-from raysim.methods.submodels import (SubModelMethod, apply_masks, client_tier, extract, holder_mean, recover,
-                                      slices, train_masks, is_block)
+from raysim.methods.lib.channels import extract, is_block, slices, train_masks
+from raysim.methods.lib.masks import apply_masks
+from raysim.methods.lib.submodels import SubModelMethod, holder_mean, recover
 from raysim.models.norm import is_norm
 from raysim.core.settings import setting
 from raysim.core.tensors import load_tensors
@@ -135,7 +136,7 @@ class NeFL(SubModelMethod):
 
     # ---- who trains which sub-model ------------------------------------------------------------
     def level(self, client_id: int) -> int:
-        return client_tier(self.setup, client_id, len(self.hp.rho_levels), self.name)
+        return self.tiers(client_id)
 
     def width(self, level: int) -> float:
         return 1.0 - self.hp.rho_levels[level]

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -85,8 +86,9 @@ from raysim.core.contract import ClientContext, Method, Upload, client_weight
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
 from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, summary_section
-from raysim.methods.dapperfl.masks import apply_masks, prune_masks
-from raysim.core.tiers import level_tiers
+from raysim.methods.dapperfl.masks import prune_masks
+from raysim.methods.lib.masks import apply_masks
+from raysim.core.tiers import ClientTiers
 from raysim.core.settings import setting
 from raysim.core.training import collect_bn_stats
 
@@ -251,17 +253,16 @@ class DapperFL(Method):
     shares = 'shares pruned sub-models (fusion pruning, tier ratio rho); server recovers and aggregates'
 
     # ---- system heterogeneity ------------------------------------------------------------
-    def client_tier(self, client_id: int) -> int:
-        """The client's capability tier: its profile's (clients.profiles), else DapperFL's own
+    @cached_property
+    def tiers(self) -> ClientTiers:
+        """Each client's capability tier: its profile's (clients.profiles), else DapperFL's own
         assignment (hp.dapperfl.tier_assignment, tier_shares)."""
-        profiles = self.setup.client_profiles
-        if client_id < len(profiles):
-            return int(profiles[client_id]["tier"])
-        if not hasattr(self, "_tiers"):
-            how = "round_robin" if self.hp.tier_assignment == "modulo" else "random"
-            self._tiers = level_tiers(self.setup.num_clients, len(self.hp.rho_levels), self.hp.tier_shares,
-                                      how, self.setup.seed, purpose="dapperfl-tiers")
-        return int(self._tiers[client_id]) if client_id < len(self._tiers) else client_id % len(self.hp.rho_levels)
+        how = "round_robin" if self.hp.tier_assignment == "modulo" else "random"
+        return ClientTiers(self.setup, len(self.hp.rho_levels), method=self.name, shares=self.hp.tier_shares,
+                           how=how, purpose="dapperfl-tiers", checked=False)  # a profile may carry its rho
+
+    def client_tier(self, client_id: int) -> int:
+        return self.tiers(client_id)
 
     def client_rho(self, client_id: int) -> float:
         """rho_i: hp.rho if set, else a profile's "rho", else the ratio of the client's tier."""
