@@ -62,10 +62,10 @@ EPS = 1e-5  # inside the root of every std (spec 5.4)
 
 @dataclass(frozen=True)
 class CCSTHparams(Hparams):
-    variant: str = setting("image", one_of=("image", "feature"), source="ours: no pretrained AdaIN weights offline (the paper: feature)")  # image: pixel-statistics AdaIN | feature: the paper's VGG-19 AdaIN
-    k: int = setting(3, ge=1, source="official README (overall style, K=3 for PACS and Office-Home)")  # styles per image (Camelyon17: 4)
-    encoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)")  # feature variant: the normalised VGG-19 state dict (vgg_normalised.pth)
-    decoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)")  # feature variant: the AdaIN decoder state dict (decoder.pth)
+    variant: str = setting("image", one_of=("image", "feature"), source="ours: no pretrained AdaIN weights offline (the paper: feature)", doc="image: pixel-statistics AdaIN | feature: the paper's VGG-19 AdaIN")
+    k: int = setting(3, ge=1, source="official README (overall style, K=3 for PACS and Office-Home)", doc="styles per image (Camelyon17: 4)")
+    encoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)", doc="feature variant: the normalised VGG-19 state dict (vgg_normalised.pth)")
+    decoder_path: str = setting("", source="ours: no file by default (the user supplies the AdaIN release's)", doc="feature variant: the AdaIN decoder state dict (decoder.pth)")
 
     def __post_init__(self):
         if self.variant != "feature":

@@ -47,8 +47,8 @@ HEADS = "heads."
 
 @dataclass(frozen=True)
 class COPAHparams(Hparams):
-    frozen_weight: float = setting(1.0, ge=0, source="ours: the paper's weights are unknown, no code (spec 5.5 [R], 8.3)")  # weight of the frozen heads' mean CE
-    ibn_fraction: float = setting(0.5, ge=0, le=1, source="ours: COPA's IBN placement is unknown (spec 5.5 [R])")  # share of the early BN layers made IBN-a
+    frozen_weight: float = setting(1.0, ge=0, source="ours: the paper's weights are unknown, no code (spec 5.5 [R], 8.3)", doc="weight of the frozen heads' mean CE")
+    ibn_fraction: float = setting(0.5, ge=0, le=1, source="ours: COPA's IBN placement is unknown (spec 5.5 [R])", doc="share of the early BN layers made IBN-a")
 
     @classmethod
     def search_space(cls):

@@ -32,7 +32,7 @@ from raysim.core.tensors import load_tensors
 
 @dataclass(frozen=True)
 class DittoHparams(Hparams):
-    lam: float = setting(1.0, ge=0, source="official code's run scripts (litian96/ditto --lam=1)")  # lambda; FDSE's grid {1e-4, 1e-3, 1e-2, 0.1, 1}
+    lam: float = setting(1.0, ge=0, source="official code's run scripts (litian96/ditto --lam=1)", doc="lambda; FDSE's grid {1e-4, 1e-3, 1e-2, 0.1, 1}")
 
     @classmethod
     def search_space(cls):

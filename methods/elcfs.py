@@ -70,12 +70,12 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class ELCFSHparams(Hparams):
-    r: float = setting(0.01, ge=0, lt=0.5, source="ours: spec 5.3 [R] (the paper's value not recovered; the code's loader: 0)")  # window half-width ratio: b = floor(min(H, W) r)
-    beta: float = setting(0.0, ge=0, source="ours: spec 5.3 [R]; the code's inner step equals its lr (both 1e-3)")  # inner step size; 0 = the round's client lr
-    clip: float = setting(100.0, gt=0, source="official code (liuquande/FedDG-ELCFS --clip_value 100)")  # element-wise clip of the inner gradient
-    bank_fraction: float = setting(1.0, gt=0, le=1, source="paper (every image's spectrum; the code's loader keeps 1/8)")  # share of a client's images in the bank
-    gamma: float = setting(0.0, ge=0, source="spec 5.3 and CSAC's FedDG*: the segmentation boundary term dropped")  # weight of the boundary-style loss
-    tau: float = setting(0.1, gt=0, source="ours [U]: used only with gamma > 0")  # its temperature
+    r: float = setting(0.01, ge=0, lt=0.5, source="ours: spec 5.3 [R] (the paper's value not recovered; the code's loader: 0)", doc="window half-width ratio: b = floor(min(H, W) r)")
+    beta: float = setting(0.0, ge=0, source="ours: spec 5.3 [R]; the code's inner step equals its lr (both 1e-3)", doc="inner step size; 0 = the round's client lr")
+    clip: float = setting(100.0, gt=0, source="official code (liuquande/FedDG-ELCFS --clip_value 100)", doc="element-wise clip of the inner gradient")
+    bank_fraction: float = setting(1.0, gt=0, le=1, source="paper (every image's spectrum; the code's loader keeps 1/8)", doc="share of a client's images in the bank")
+    gamma: float = setting(0.0, ge=0, source="spec 5.3 and CSAC's FedDG*: the segmentation boundary term dropped", doc="weight of the boundary-style loss")
+    tau: float = setting(0.1, gt=0, source="ours [U]: used only with gamma > 0", doc="its temperature")
 
     @classmethod
     def search_space(cls):

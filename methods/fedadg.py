@@ -71,16 +71,16 @@ DISC = "disc."  # the discriminator's state-dict prefix: kept on the client
 
 @dataclass(frozen=True)
 class FedADGHparams(Hparams):
-    alpha: float = setting(0.85, ge=0, le=1, source="code (mirror, localTrain.py)")  # weight of the CE in L_F
-    label_smoothing: float = setting(0.01, ge=0, lt=1, source="code README, PACS (VLCS: 0.2)")  # eps of CE_ls
-    smoothing: str = setting("others", one_of=("others", "uniform"), source="code (mirror, utils/utilss.py)")  # eps/(C-1) on each wrong class | eps/C on every class
-    soft_label: float = setting(0.7, gt=0, le=1, source="code (mirror, localTrain.py)")  # y_s's value on the true class
-    soft_label_rest: str = setting("zero", one_of=("zero", "spread"), source="code (mirror, localTrain.py)")  # y_s elsewhere: 0 | (1 - soft_label)/(C-1)
-    disc_features: str = setting("eval", one_of=("eval", "train"), source="code (mirror, localTrain.py)")  # F's mode when D scores it in step (a)
-    ce_epochs: int = setting(3, ge=0, source="code README, PACS (--i-epochs 3)")  # i_epochs of label-smoothed CE before the adversarial epochs
-    gd_lr_ratio: float = setting(0.7, gt=0, source="code README, PACS (lr1 / lr0 = 0.007 / 0.01)")  # G's and D's lr / F's and C's
-    rp_size: int = setting(1024, ge=1, source="code (mirror, README and train.py)")  # the random projection's width
-    upload: str = setting("last", one_of=("best_val", "last"), source="code (mirror, localTrain.py: its best-epoch copy aliases the live weights)")  # the epoch whose F, C, G are uploaded
+    alpha: float = setting(0.85, ge=0, le=1, source="code (mirror, localTrain.py)", doc="weight of the CE in L_F")
+    label_smoothing: float = setting(0.01, ge=0, lt=1, source="code README, PACS (VLCS: 0.2)", doc="eps of CE_ls")
+    smoothing: str = setting("others", one_of=("others", "uniform"), source="code (mirror, utils/utilss.py)", doc="eps/(C-1) on each wrong class | eps/C on every class")
+    soft_label: float = setting(0.7, gt=0, le=1, source="code (mirror, localTrain.py)", doc="y_s's value on the true class")
+    soft_label_rest: str = setting("zero", one_of=("zero", "spread"), source="code (mirror, localTrain.py)", doc="y_s elsewhere: 0 | (1 - soft_label)/(C-1)")
+    disc_features: str = setting("eval", one_of=("eval", "train"), source="code (mirror, localTrain.py)", doc="F's mode when D scores it in step (a)")
+    ce_epochs: int = setting(3, ge=0, source="code README, PACS (--i-epochs 3)", doc="i_epochs of label-smoothed CE before the adversarial epochs")
+    gd_lr_ratio: float = setting(0.7, gt=0, source="code README, PACS (lr1 / lr0 = 0.007 / 0.01)", doc="G's and D's lr / F's and C's")
+    rp_size: int = setting(1024, ge=1, source="code (mirror, README and train.py)", doc="the random projection's width")
+    upload: str = setting("last", one_of=("best_val", "last"), source="code (mirror, localTrain.py: its best-epoch copy aliases the live weights)", doc="the epoch whose F, C, G are uploaded")
 
     @classmethod
     def search_space(cls):

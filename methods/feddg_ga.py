@@ -51,9 +51,9 @@ from raysim.core.training import evaluate, train_epochs
 
 @dataclass(frozen=True)
 class FedDGGAHparams(Hparams):
-    step_size: float = setting(0.2, gt=0, le=1, source="official code (MediaBrain-SJTU/FedDG-GA, --step_size)")  # d; the paper's is not reported
-    metric: str = setting("acc", one_of=("acc", "loss"), source="official code (--fair acc; spec 5.2 pitfall 1)")  # acc: the code's | loss: the paper's gap
-    centre: bool = setting(False, source="official code (no centring; the paper is unclear)")  # true: subtract the mean gap first (ours)
+    step_size: float = setting(0.2, gt=0, le=1, source="official code (MediaBrain-SJTU/FedDG-GA, --step_size)", doc="d; the paper's is not reported")
+    metric: str = setting("acc", one_of=("acc", "loss"), source="official code (--fair acc; spec 5.2 pitfall 1)", doc="acc: the code's | loss: the paper's gap")
+    centre: bool = setting(False, source="official code (no centring; the paper is unclear)", doc="true: subtract the mean gap first (ours)")
 
     @classmethod
     def search_space(cls):

@@ -56,19 +56,19 @@ import torch
 
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
-from raysim.methods.submodels import SubModelMethod, client_tier, holder_mean, num_kept
+from raysim.methods.lib.masks import num_kept
+from raysim.methods.lib.submodels import SubModelMethod, holder_mean
 from raysim.core.seeding import SERVER, generator_for
 from raysim.core.settings import setting
 
 
 @dataclass(frozen=True)
 class FedDropHparams(Hparams):
-    rho: float = setting(0.6, ge=0, lt=1, source="DapperFL's code best_args (uniform 0.6); the paper sweeps it")  # fraction of every layer's filters / units dropped
-    # one ratio per capability tier instead of rho (None: rho for everyone, DapperFL's comparison)
-    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1, source="paper and DapperFL: one ratio for every client")
-    mask_scope: str = setting("client", one_of=("client", "round"), source="ours: the paper is silent (the usual per-client reading)")  # a sub-model per client and round | per round
-    aggregation: str = setting("all", one_of=("all", "holders"), source="paper: updates mapped back, averaged as in FedAvg")  # zero update where dropped | holders' mean
-    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (inverted dropout)
+    rho: float = setting(0.6, ge=0, lt=1, source="DapperFL's code best_args (uniform 0.6); the paper sweeps it", doc="fraction of every layer's filters / units dropped")
+    rho_levels: tuple[float, ...] | None = setting(None, ge=0, lt=1, source="paper and DapperFL: one ratio for every client", doc="one ratio per capability tier instead of rho (None: rho for everyone, DapperFL's comparison)")
+    mask_scope: str = setting("client", one_of=("client", "round"), source="ours: the paper is silent (the usual per-client reading)", doc="a sub-model per client and round | per round")
+    aggregation: str = setting("all", one_of=("all", "holders"), source="paper: updates mapped back, averaged as in FedAvg", doc="zero update where dropped | holders' mean")
+    rescale: bool = setting(False, source="paper: describes no rescaling", doc="train with each layer's output x C / kept of its input (inverted dropout)")
 
     def __post_init__(self):
         if self.rho_levels is not None and not self.rho_levels:
@@ -102,7 +102,7 @@ class FedDrop(SubModelMethod):
         levels = self.hp.rho_levels
         if levels is None:
             return self.hp.rho
-        return levels[client_tier(self.setup, client_id, len(levels), self.name)]
+        return levels[self.tiers(client_id)]
 
     def client_metrics(self, client_id: int) -> dict:
         return {"rho": self.client_rho(client_id)}
@@ -117,7 +117,7 @@ class FedDrop(SubModelMethod):
         return dropout_plan([g.size for g in groups], self.client_rho(ctx.client_id), gen)
 
     def aggregate(self, state, uploads, round):
-        if self.hp.aggregation == "all" or not uploads.each:
+        if self.hp.aggregation == "all":
             return super().aggregate(state, uploads, round)
         prev = state["global"]
         items = ((up.tensors, self.upload_slices(up), up.weight) for up in uploads.each.values())

@@ -32,7 +32,7 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FedDynHparams(Hparams):
-    alpha: float = setting(0.01, gt=0, source="official code (alpemreacar/FedDyn examples: alpha_coef = 1e-2)")  # in FDSE's grid {0.001, 0.01, 0.03, 0.1} (FLGo default 0.1)
+    alpha: float = setting(0.01, gt=0, source="official code (alpemreacar/FedDyn examples: alpha_coef = 1e-2)", doc="in FDSE's grid {0.001, 0.01, 0.03, 0.1} (FLGo default 0.1)")
 
     @classmethod
     def search_space(cls):

@@ -44,10 +44,10 @@ FFA = "ffa"  # module-name prefix of the inserted layers
 
 @dataclass(frozen=True)
 class FedFAHparams(Hparams):
-    p: float = setting(0.5, ge=0, le=1, source="official code (tfzhou/FedFA FFALayer prob=0.5)")  # probability an FFA layer augments a batch
-    momentum: float = setting(0.99, ge=0, lt=1, source="official code (tfzhou/FedFA FFALayer momentum1=0.99)")  # of the running statistics
+    p: float = setting(0.5, ge=0, le=1, source="official code (tfzhou/FedFA FFALayer prob=0.5)", doc="probability an FFA layer augments a batch")
+    momentum: float = setting(0.99, ge=0, lt=1, source="official code (tfzhou/FedFA FFALayer momentum1=0.99)", doc="of the running statistics")
     eps: float = setting(1e-6, gt=0, source="official code (tfzhou/FedFA FFALayer eps=1e-6)")
-    shared_var: str = setting("scalar_code", one_of=("per_channel", "scalar_code"), source="official code (tfzhou/FedFA FedFAComm: one scalar variance); FDSE's port agrees")  # scalar_code: the code's | per_channel: the paper's equation
+    shared_var: str = setting("scalar_code", one_of=("per_channel", "scalar_code"), source="official code (tfzhou/FedFA FedFAComm: one scalar variance); FDSE's port agrees", doc="scalar_code: the code's | per_channel: the paper's equation")
 
 
 class FFALayer(nn.Module):

@@ -35,8 +35,8 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FedHEALHparams(Hparams):
-    tau: float = setting(0.3, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --threshold 0.3)")  # consistency threshold; the middle of FDSE's grid
-    beta: float = setting(0.4, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --beta 0.4)")  # momentum of the weight updates
+    tau: float = setting(0.3, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --threshold 0.3)", doc="consistency threshold; the middle of FDSE's grid")
+    beta: float = setting(0.4, ge=0, le=1, source="official code default (yuhangchen0/FedHEAL --beta 0.4)", doc="momentum of the weight updates")
 
     @classmethod
     def search_space(cls):
@@ -74,8 +74,6 @@ class FedHEAL(Method):
         return {**super().init_server(model), "params": params, "clients": {}}
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         prev, hp = state["global"], self.hp
         params = set(state["params"])
         floats = [k for k, v in prev.items() if v.is_floating_point()]

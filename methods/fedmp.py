@@ -55,8 +55,8 @@ import torch
 from raysim.core.aggregation import weighted_mean
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
-from raysim.methods.dapperfl.masks import top_mask
-from raysim.methods.submodels import SubModelMethod, client_tier, num_kept, recover
+from raysim.methods.lib.masks import num_kept, top_mask
+from raysim.methods.lib.submodels import SubModelMethod, recover
 from raysim.core.settings import setting
 
 PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
@@ -64,10 +64,10 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers C1..C5
 
 @dataclass(frozen=True)
 class FedMPHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL Sec. 4.2 / code pr_ratios (FedMP's bandit not implemented)")  # pruning ratio of each capability tier
-    rho: float | None = setting(None, ge=0, lt=1, source="DapperFL Tables 1-2: ratios by tier, none uniform")  # one ratio for every client (DapperFL Fig. 3); overrides tiers
-    prune_stem: bool = setting(False, source="DapperFL's pruning rule: stem skipped (spec 6.1 [R])")  # also prune the stem's filters (and, in a ResNet, layer1's stream)
-    rescale: bool = setting(False, source="paper: describes no rescaling")  # train with each layer's output x C / kept of its input (HeteroFL's scaler)
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL Sec. 4.2 / code pr_ratios (FedMP's bandit not implemented)", doc="pruning ratio of each capability tier")
+    rho: float | None = setting(None, ge=0, lt=1, source="DapperFL Tables 1-2: ratios by tier, none uniform", doc="one ratio for every client (DapperFL Fig. 3); overrides tiers")
+    prune_stem: bool = setting(False, source="DapperFL's pruning rule: stem skipped (spec 6.1 [R])", doc="also prune the stem's filters (and, in a ResNet, layer1's stream)")
+    rescale: bool = setting(False, source="paper: describes no rescaling", doc="train with each layer's output x C / kept of its input (HeteroFL's scaler)")
 
     def __post_init__(self):
         if not self.rho_levels:
@@ -102,7 +102,7 @@ class FedMP(SubModelMethod):
     shares = 'shares pruned sub-models (tier ratios); server recovers them with the residual'
 
     def client_tier(self, client_id: int) -> int:
-        return client_tier(self.setup, client_id, len(self.hp.rho_levels), self.name)
+        return self.tiers(client_id)
 
     def client_rho(self, client_id: int) -> float:
         return self.hp.rho if self.hp.rho is not None else self.hp.rho_levels[self.client_tier(client_id)]
@@ -124,7 +124,5 @@ class FedMP(SubModelMethod):
         return l1_plan(scores, self.client_rho(ctx.client_id))
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         subs = ((up.tensors, self.upload_slices(up), up.weight) for up in uploads.each.values())
         return {**state, "global": r2sp(subs, state["global"])}

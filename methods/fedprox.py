@@ -24,7 +24,7 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FedProxHparams(Hparams):
-    mu: float = setting(0.01, ge=0, source="FedBN code's Digits value (FedWon Table 1); the FedProx paper tunes mu per dataset")  # FedWon Office/DomainNet (FedBN code): 1e-3; DapperFL Table 4: 0.1; FDSE: tuned in {1e-4 .. 1}, unreported
+    mu: float = setting(0.01, ge=0, source="FedBN code's Digits value (FedWon Table 1); the FedProx paper tunes mu per dataset", doc="FedWon Office/DomainNet (FedBN code): 1e-3; DapperFL Table 4: 0.1; FDSE: tuned in {1e-4 .. 1}, unreported")
 
     @classmethod
     def search_space(cls):

@@ -50,13 +50,13 @@ REFERENCE = ("ref_mu", "ref_sigma_raw", "ref_c")  # r_mu, raw r_sigma, C: parame
 
 @dataclass(frozen=True)
 class FedSRHparams(Hparams):
-    alpha_l2r: float = setting(0.01, ge=0, source="official code (atuannguyen/FedSR); DapperFL Table 4 agrees")  # tuned on l2r: norm
-    alpha_cmi: float = setting(0.0005, ge=0, source="official code (atuannguyen/FedSR)")  # DapperFL Table 4: 0.001
-    z_dim: int = setting(0, ge=0, source="official code (512 = ResNet-18's feature_dim)")  # 0: the backbone's feature_dim
-    num_samples: int = setting(20, ge=1, source="official code (atuannguyen/FedSR)")  # z samples of a test prediction
-    l2r: str = setting("norm", one_of=("norm", "squared"), source="official code (the paper writes E||z||^2; spec 5.1 pitfall 1)")  # E||z|| (code) | E||z||^2 (paper)
-    reference: str = setting("local", one_of=("local", "global"), source="official code (spec 5.1 pitfall 2)")  # where r(z|y) and C live
-    eval_rule: str = setting("sample", one_of=("sample", "mean"), source="official code (atuannguyen/FedSR)")  # mean: h(mu) (ours)
+    alpha_l2r: float = setting(0.01, ge=0, source="official code (atuannguyen/FedSR); DapperFL Table 4 agrees", doc="tuned on l2r: norm")
+    alpha_cmi: float = setting(0.0005, ge=0, source="official code (atuannguyen/FedSR)", doc="DapperFL Table 4: 0.001")
+    z_dim: int = setting(0, ge=0, source="official code (512 = ResNet-18's feature_dim)", doc="0: the backbone's feature_dim")
+    num_samples: int = setting(20, ge=1, source="official code (atuannguyen/FedSR)", doc="z samples of a test prediction")
+    l2r: str = setting("norm", one_of=("norm", "squared"), source="official code (the paper writes E||z||^2; spec 5.1 pitfall 1)", doc="E||z|| (code) | E||z||^2 (paper)")
+    reference: str = setting("local", one_of=("local", "global"), source="official code (spec 5.1 pitfall 2)", doc="where r(z|y) and C live")
+    eval_rule: str = setting("sample", one_of=("sample", "mean"), source="official code (atuannguyen/FedSR)", doc="mean: h(mu) (ours)")
 
     @classmethod
     def search_space(cls):

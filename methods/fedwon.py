@@ -177,25 +177,20 @@ def agc_parameters(model: nn.Module, exclude: Iterable[str] = ("head",),
 
 @dataclass(frozen=True)
 class FedWonHparams(Hparams):
-    # AGC (App. A.3, Eq. 4). agc: True, False, or "auto" = on iff batch_size > agc_small_batch
-    # (the paper: AGC at B = 32, bypassed for B in {1, 2, 4}).
-    agc: bool | str = setting("auto", one_of=(True, False, "auto"), expected="true, false or 'auto'", source="paper App. A.3 (AGC at B = 32 only)")
-    agc_lambda: float = setting(0.64, gt=0, expected="> 0", source="paper App. A.3 (Digits-Five)")  # Digits-Five 0.64; Office-Caltech-10 and DomainNet 1.28
+    agc: bool | str = setting("auto", one_of=(True, False, "auto"), expected="true, false or 'auto'", source="paper App. A.3 (AGC at B = 32 only)", doc='AGC (App. A.3, Eq. 4). agc: True, False, or "auto" = on iff batch_size > agc_small_batch (the paper: AGC at B = 32, bypassed for B in {1, 2, 4}).')
+    agc_lambda: float = setting(0.64, gt=0, expected="> 0", source="paper App. A.3 (Digits-Five)", doc="Digits-Five 0.64; Office-Caltech-10 and DomainNet 1.28")
     agc_eps: float = setting(1e-3, gt=0, expected="> 0", source="paper App. A.3 (eps = 1e-3)")
     agc_small_batch: int = setting(4, source="paper App. A.3 / Table 18 (no AGC for B in {1, 2, 4})")
-    agc_exclude: str = setting("head", source="ours: the paper is silent; NF-Nets and timm (spec 9.3)")  # comma-separated module names left unclipped (the classifier)
-    agc_clip_vectors: bool = setting(True, source="ours: the paper is silent; NF-Nets and timm (spec 9.3)")  # clip biases and WS gains too (each tensor one unit)
+    agc_exclude: str = setting("head", source="ours: the paper is silent; NF-Nets and timm (spec 9.3)", doc="comma-separated module names left unclipped (the classifier)")
+    agc_clip_vectors: bool = setting(True, source="ours: the paper is silent; NF-Nets and timm (spec 9.3)", doc="clip biases and WS gains too (each tensor one unit)")
     # WSConv (Eq. 3, Listing 1)
-    ws: bool = setting(True, source="paper Sec. 3.2")  # False: plain convs, no norm ("FedAvg w/o BN" of the ablations, Table 18)
+    ws: bool = setting(True, source="paper Sec. 3.2", doc='False: plain convs, no norm ("FedAvg w/o BN" of the ablations, Table 18)')
     ws_eps: float = setting(1e-4, gt=0, expected="> 0", source="paper Listing 1")
-    ws_unbiased: bool = setting(True, source="paper Listing 1 (torch.var); Eq. 3 differs (spec 9.5)")  # Listing 1's torch.var; False: Eq. (3)'s population variance
+    ws_unbiased: bool = setting(True, source="paper Listing 1 (torch.var); Eq. 3 differs (spec 9.5)", doc="Listing 1's torch.var; False: Eq. (3)'s population variance")
     ws_gain_init: float = setting(1.0, source="paper Listing 1")
-    ws_bias: bool = setting(True, source="paper Listing 1 (bias=True)")  # every WSConv has a bias (Listing 1 default), even where the net had none
-    ws_plain_convs: tuple[int, ...] = setting((), ge=1, source="paper Sec. 3.2, Fig. 2c (Table 6 layer 3 is a typo: spec 9.7)")  # 1-based conv indices kept plain; [3] = Table 6 literally
-    # Local learning rate for FedWon alone (0: train.lr). The paper tunes lr per method (Tables 8-9:
-    # Digits FedWon 0.05 vs 0.1 for the BN baselines), and a comparison config shares train.lr.
-    # train.lr_decay still applies: lr_t = lr * lr_decay ** (t - 1).
-    lr: float = setting(0.0, ge=0, expected="> 0 (or 0: use train.lr)", source="ours: train.lr (Tables 8-10 values are set per config)")
+    ws_bias: bool = setting(True, source="paper Listing 1 (bias=True)", doc="every WSConv has a bias (Listing 1 default), even where the net had none")
+    ws_plain_convs: tuple[int, ...] = setting((), ge=1, source="paper Sec. 3.2, Fig. 2c (Table 6 layer 3 is a typo: spec 9.7)", doc="1-based conv indices kept plain; [3] = Table 6 literally")
+    lr: float = setting(0.0, ge=0, expected="> 0 (or 0: use train.lr)", source="ours: train.lr (Tables 8-10 values are set per config)", doc="Local learning rate for FedWon alone (0: train.lr). The paper tunes lr per method (Tables 8-9: Digits FedWon 0.05 vs 0.1 for the BN baselines), and a comparison config shares train.lr. train.lr_decay still applies: lr_t = lr * lr_decay ** (t - 1).")
 
     @classmethod
     def search_space(cls):
@@ -216,14 +211,10 @@ class FedWon(Method):
         return ws_conv_factory(hp.ws_eps, hp.ws_unbiased, hp.ws_gain_init, hp.ws_bias, hp.ws_plain_convs)
 
     def build_model(self) -> nn.Module:
-        from raysim.models import build, is_norm
+        from raysim.models import is_norm
         m = self.setup.model
-        options = {k: v for k, v in dict(m.options).items() if k not in ("norm", "conv")}
         conv = self.conv_factory()
-        if conv is not None:
-            options["conv"] = conv
-        model = build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                      input_size=self.setup.image_shape[-1], norm="none", pretrained=m.pretrained, **options)
+        model = self.base_model(norm="none") if conv is None else self.base_model(norm="none", conv=conv)
         left = [n for n, mod in model.named_modules() if is_norm(mod)]
         if left:
             raise UserError(f"fedwon: model {m.name!r} still has normalization layers {left[:3]}")

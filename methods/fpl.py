@@ -34,7 +34,7 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class FPLHparams(Hparams):
-    tau: float = setting(0.02, gt=0, expected="> 0", source="paper; official code agrees (RethinkFL --infoNCET 0.02)")  # temperature of L_CPCL; DapperFL Table 4 too
+    tau: float = setting(0.02, gt=0, expected="> 0", source="paper; official code agrees (RethinkFL --infoNCET 0.02)", doc="temperature of L_CPCL; DapperFL Table 4 too")
 
     @classmethod
     def search_space(cls):

@@ -71,10 +71,10 @@ LAMBDA_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # Sec. 4.2: "searched in the range [0
 
 @dataclass(frozen=True)
 class GFedAvgHparams(Hparams):
-    lam: float = setting(0.5, ge=0, source="official code (lhkhiem28/gPerXAN, hard-coded); the paper gives only its grid")  # lambda of Eq. 3 (paper: grid [0, 1] step 0.25, value not reported; code 0.5)
+    lam: float = setting(0.5, ge=0, source="official code (lhkhiem28/gPerXAN, hard-coded); the paper gives only its grid", doc="lambda of Eq. 3 (paper: grid [0, 1] step 0.25, value not reported; code 0.5)")
     # ---- the official code's optimizer details (the paper states none of them) ----
-    lr_schedule: str = setting("cosine", one_of=LR_SCHEDULES, source="official code (CosineAnnealingLR per round); the paper is silent")  # "cosine": lr_t = lr (1 + cos(pi t / T)) / 2 | "engine": train.lr / lr_decay like every method
-    persist_optimizer: bool = setting(True, source="official code (one SGD per client for the run); the paper is silent")  # True: SGD momentum buffers kept on the client across rounds (code)
+    lr_schedule: str = setting("cosine", one_of=LR_SCHEDULES, source="official code (CosineAnnealingLR per round); the paper is silent", doc='"cosine": lr_t = lr (1 + cos(pi t / T)) / 2 | "engine": train.lr / lr_decay like every method')
+    persist_optimizer: bool = setting(True, source="official code (one SGD per client for the run); the paper is silent", doc="True: SGD momentum buffers kept on the client across rounds (code)")
 
     @classmethod
     def search_space(cls):
@@ -83,13 +83,13 @@ class GFedAvgHparams(Hparams):
 
 @dataclass(frozen=True)
 class GPerXANHparams(GFedAvgHparams):
-    norm: str = setting("perxan", one_of=NORMS, source="paper Sec. 3.1")  # perxan | xan (not personalized) | ibn (IBN-Net-a) | bn (Table 4)
-    stages: str = setting("auto", source="official code (every ResNet BN: PACS) + paper Sec. 4.2 (DenseNet rule)")  # which BNs are replaced: auto | all | comma list of stages (stem, layer1..4; denseblockN, transitionN, final) or slot names (PACS: all; Office-Home: "stem,layer1,layer2")
-    mix: str = setting("softmax", one_of=MIXES, source="official code (softmax of two scalars); Eq. 2 has raw weights (spec A3)")  # softmax of the two scores (code; the paper's "ratios") | linear (raw Eq. 2)
-    score_init: str = setting("ones", one_of=SCORE_INITS, source="official code (both scores 1); the paper: 'randomly initialized' (spec A3)")  # ones: 0.5 / 0.5 (code) | random: U[0,1) scores (paper)
-    local_bn_score: bool = setting(True, source="official code (every 'batchnorm' key); the paper is silent (spec A4)")  # s_bn is personal with the BN side (code: every "batchnorm" key)
-    local_plain_bn: bool = setting(False, source="paper Sec. 3.1 text; official code agrees (spec A5)")  # True: BNs left outside XAN stay local too (Alg. 1 line 6 read literally); False: averaged like FedAvg (Sec. 3.1 text, code)
-    in_affine_init: str = setting("default", one_of=IN_AFFINE_INITS, source="ours: PyTorch's (1, 0); the paper is silent, the code loads an unreleased checkpoint (spec A6)")  # IN affine (1, 0) | copy_bn (from the BN it replaces)
+    norm: str = setting("perxan", one_of=NORMS, source="paper Sec. 3.1", doc="perxan | xan (not personalized) | ibn (IBN-Net-a) | bn (Table 4)")
+    stages: str = setting("auto", source="official code (every ResNet BN: PACS) + paper Sec. 4.2 (DenseNet rule)", doc='which BNs are replaced: auto | all | comma list of stages (stem, layer1..4; denseblockN, transitionN, final) or slot names (PACS: all; Office-Home: "stem,layer1,layer2")')
+    mix: str = setting("softmax", one_of=MIXES, source="official code (softmax of two scalars); Eq. 2 has raw weights (spec A3)", doc='softmax of the two scores (code; the paper\'s "ratios") | linear (raw Eq. 2)')
+    score_init: str = setting("ones", one_of=SCORE_INITS, source="official code (both scores 1); the paper: 'randomly initialized' (spec A3)", doc="ones: 0.5 / 0.5 (code) | random: U[0,1) scores (paper)")
+    local_bn_score: bool = setting(True, source="official code (every 'batchnorm' key); the paper is silent (spec A4)", doc='s_bn is personal with the BN side (code: every "batchnorm" key)')
+    local_plain_bn: bool = setting(False, source="paper Sec. 3.1 text; official code agrees (spec A5)", doc="True: BNs left outside XAN stay local too (Alg. 1 line 6 read literally); False: averaged like FedAvg (Sec. 3.1 text, code)")
+    in_affine_init: str = setting("default", one_of=IN_AFFINE_INITS, source="ours: PyTorch's (1, 0); the paper is silent, the code loads an unreleased checkpoint (spec A6)", doc="IN affine (1, 0) | copy_bn (from the BN it replaces)")
 
 
 # ============================================================================= gFedAvg
@@ -102,12 +102,10 @@ class GFedAvg(Method):
     shares = 'shares the whole model (FedAvg + guiding regularizer); keeps nothing'
 
     def build_model(self) -> nn.Module:
-        from raysim.models import build
-        m = self.setup.model
-        if not (m.norm is None or str(m.norm).lower() in ("default", "bn")):
-            raise UserError(f"{self.name} builds on BatchNorm layers; model.norm = {m.norm!r} (use bn)")
-        return build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                     input_size=self.setup.image_shape[-1], norm="bn", pretrained=m.pretrained, **m.options)
+        norm = self.setup.model.norm
+        if not (norm is None or str(norm).lower() in ("default", "bn")):
+            raise UserError(f"{self.name} builds on BatchNorm layers; model.norm = {norm!r} (use bn)")
+        return self.base_model(norm="bn")
 
     # ---- client ---------------------------------------------------------------------------
     def local_update(self, ctx: ClientContext) -> Upload:

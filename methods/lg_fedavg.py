@@ -34,7 +34,7 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class LGFedAvgHparams(Hparams):
-    global_layers: int = setting(2, ge=1, source="official code's CIFAR-10 scripts (--num_layers_keep 2); spec 3.2 for AlexNet")  # the last two weight layers are global
+    global_layers: int = setting(2, ge=1, source="official code's CIFAR-10 scripts (--num_layers_keep 2); spec 3.2 for AlexNet", doc="the last two weight layers are global")
 
     @classmethod
     def search_space(cls):

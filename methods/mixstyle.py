@@ -47,8 +47,8 @@ PREFIX = "mixstyle"
 
 @dataclass(frozen=True)
 class MixStyleHparams(Hparams):
-    p: float = setting(0.5, ge=0, le=1, source="paper; code agrees (mixstyle-release p=0.5)")  # probability a MixStyle layer mixes a batch
-    alpha: float = setting(0.1, gt=0, source="paper; code agrees (mixstyle-release alpha=0.1)")  # Beta(alpha, alpha) of the mixing weight
+    p: float = setting(0.5, ge=0, le=1, source="paper; code agrees (mixstyle-release p=0.5)", doc="probability a MixStyle layer mixes a batch")
+    alpha: float = setting(0.1, gt=0, source="paper; code agrees (mixstyle-release alpha=0.1)", doc="Beta(alpha, alpha) of the mixing weight")
     eps: float = setting(1e-6, gt=0, source="official code (mixstyle-release eps=1e-6)")
 
     @classmethod

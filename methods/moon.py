@@ -39,10 +39,10 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class MOONHparams(Hparams):
-    mu: float = setting(1.0, ge=0, source="official code default (QinbinLi/MOON --mu 1)")  # weight of l_con; DapperFL Table 4 too, inside FDSE's grid {0.1, 1, 5, 10}
-    tau: float = setting(0.5, gt=0, expected="> 0", source="paper; code agrees (--temperature 0.5)")  # temperature (fixed in FDSE and DapperFL)
-    head: str = setting("mlp", one_of=("none", "mlp"), source="paper (encoder, projection head, output layer); code agrees (use_project_head 1)")  # mlp: the paper's projection head; none: FLGo / RethinkFL (the seeds' configs)
-    proj_dim: int = setting(256, ge=1, source="paper; code agrees (--out_dim 256)")  # the mlp head's output
+    mu: float = setting(1.0, ge=0, source="official code default (QinbinLi/MOON --mu 1)", doc="weight of l_con; DapperFL Table 4 too, inside FDSE's grid {0.1, 1, 5, 10}")
+    tau: float = setting(0.5, gt=0, expected="> 0", source="paper; code agrees (--temperature 0.5)", doc="temperature (fixed in FDSE and DapperFL)")
+    head: str = setting("mlp", one_of=("none", "mlp"), source="paper (encoder, projection head, output layer); code agrees (use_project_head 1)", doc="mlp: the paper's projection head; none: FLGo / RethinkFL (the seeds' configs)")
+    proj_dim: int = setting(256, ge=1, source="paper; code agrees (--out_dim 256)", doc="the mlp head's output")
 
     @classmethod
     def search_space(cls):

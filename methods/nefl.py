@@ -54,8 +54,9 @@ from torch import nn
 from raysim.core.aggregation import weighted_mean
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams
-from raysim.methods.submodels import (SubModelMethod, apply_masks, client_tier, extract, holder_mean, recover,
-                                      slices, train_masks, is_block)
+from raysim.methods.lib.channels import extract, is_block, slices, train_masks
+from raysim.methods.lib.masks import apply_masks
+from raysim.methods.lib.submodels import SubModelMethod, holder_mean, recover
 from raysim.models.norm import is_norm
 from raysim.core.settings import setting
 from raysim.core.tensors import load_tensors
@@ -66,8 +67,8 @@ PAPER_LEVELS = (0.0, 0.2, 0.4, 0.6, 0.8)  # DapperFL's tiers: widths 1, 0.8, 0.6
 
 @dataclass(frozen=True)
 class NeFLHparams(Hparams):
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL's code best_args (ps = (1 - rho)^2)")  # sub-model i has width 1 - rho_levels[i]
-    learnable_step: bool = setting(True, source="paper (learnable step sizes); DapperFL's code learnable_step=1")  # x + s_l F_l(x) with s_l learned per sub-model
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="DapperFL's code best_args (ps = (1 - rho)^2)", doc="sub-model i has width 1 - rho_levels[i]")
+    learnable_step: bool = setting(True, source="paper (learnable step sizes); DapperFL's code learnable_step=1", doc="x + s_l F_l(x) with s_l learned per sub-model")
 
     def __post_init__(self):
         if not self.rho_levels:
@@ -135,7 +136,7 @@ class NeFL(SubModelMethod):
 
     # ---- who trains which sub-model ------------------------------------------------------------
     def level(self, client_id: int) -> int:
-        return client_tier(self.setup, client_id, len(self.hp.rho_levels), self.name)
+        return self.tiers(client_id)
 
     def width(self, level: int) -> float:
         return 1.0 - self.hp.rho_levels[level]
@@ -200,8 +201,6 @@ class NeFL(SubModelMethod):
             apply_masks(model, train_masks(model, slices(self.ref.dims, plan)))
 
     def aggregate(self, state, uploads, round):
-        if not uploads.each:
-            return state
         prev = state["global"]
         incons = set(next(iter(state["inconsistent"].values())))
         consistent = [k for k in prev if k not in incons]

@@ -27,14 +27,6 @@ from raysim.core.settings import setting
 from raysim.core.training import collect_bn_stats, train_epochs
 
 
-def _build(method: Method, norm: str) -> nn.Module:
-    from raysim.models import build
-    m = method.setup.model
-    options = {k: v for k, v in dict(m.options).items() if k != "norm"}
-    return build(m.name, num_classes=method.setup.num_classes, in_channels=method.setup.image_shape[0],
-                 input_size=method.setup.image_shape[-1], norm=norm, pretrained=m.pretrained, **options)
-
-
 def bn_layers(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
@@ -71,7 +63,7 @@ class FedAvgGN(Method):
     norm = "gn"
 
     def build_model(self) -> nn.Module:
-        return _build(self, self.norm)
+        return self.base_model(norm=self.norm)
 
     def local_loss(self, ctx):
         return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
@@ -140,8 +132,8 @@ class SiloBN(Method):
 
 @dataclass(frozen=True)
 class FixBNHparams(Hparams):
-    switch_frac: float = setting(0.5, ge=0, le=1, source="FedWon spec 9.18: T* = R/2 after the FixBN paper (not checked against its text)")  # stage 1 = the first round(switch_frac * rounds) rounds
-    switch_round: int = setting(0, ge=0, source="ours: 0 = use switch_frac")  # > 0 overrides switch_frac: stage 1 = rounds 1..switch_round
+    switch_frac: float = setting(0.5, ge=0, le=1, source="FedWon spec 9.18: T* = R/2 after the FixBN paper (not checked against its text)", doc="stage 1 = the first round(switch_frac * rounds) rounds")
+    switch_round: int = setting(0, ge=0, source="ours: 0 = use switch_frac", doc="> 0 overrides switch_frac: stage 1 = rounds 1..switch_round")
 
     @classmethod
     def search_space(cls):

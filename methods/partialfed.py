@@ -34,7 +34,7 @@ from raysim.core.training import train_epochs
 
 @dataclass(frozen=True)
 class PartialFedHparams(Hparams):
-    keep: tuple[str, ...] = setting(("bn", "head"), source="spec 3.3 [R], from the paper's findings (no code released)")  # the layers a client keeps from its own last model
+    keep: tuple[str, ...] = setting(("bn", "head"), source="spec 3.3 [R], from the paper's findings (no code released)", doc="the layers a client keeps from its own last model")
 
 
 def kept_keys(model, keep: tuple[str, ...]) -> set[str]:

@@ -45,8 +45,8 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class RSCHparams(Hparams):
-    drop_f: float = setting(1 / 3, gt=0, lt=1, source="paper; code: 1/3 of the locations (1/3.2 of the channels)")  # feature dropping percentage p
-    drop_b: float = setting(1 / 3, gt=0, le=1, source="paper; DomainBed's port agrees (the code schedules it from 0.3)")  # batch percentage b
+    drop_f: float = setting(1 / 3, gt=0, lt=1, source="paper; code: 1/3 of the locations (1/3.2 of the channels)", doc="feature dropping percentage p")
+    drop_b: float = setting(1 / 3, gt=0, le=1, source="paper; DomainBed's port agrees (the code schedules it from 0.3)", doc="batch percentage b")
 
     @classmethod
     def search_space(cls):

@@ -42,13 +42,11 @@ from raysim.core.hparams import Hparams, Space
 from raysim.core.settings import setting
 from raysim.core.tensors import cpu_copy
 
-DELTA_C = "delta_c/"  # prefix of the control-variate update among the uploaded tensors
-
 
 @dataclass(frozen=True)
 class ScaffoldHparams(Hparams):
-    eta_g: float = setting(1.0, gt=0, source="paper (default eta_g = 1); FLGo eta=1.0 agrees (spec 2.1)")  # global step size
-    option: str = setting("II", one_of=("I", "II"), source="FLGo, the code FDSE ran (spec 2.1 pitfall 1); the paper offers both")  # c_i+ of Alg. 1 line 12
+    eta_g: float = setting(1.0, gt=0, source="paper (default eta_g = 1); FLGo eta=1.0 agrees (spec 2.1)", doc="global step size")
+    option: str = setting("II", one_of=("I", "II"), source="FLGo, the code FDSE ran (spec 2.1 pitfall 1); the paper offers both", doc="c_i+ of Alg. 1 line 12")
 
     @classmethod
     def search_space(cls):
@@ -119,9 +117,9 @@ class Scaffold(Method):
         y = {k: v.detach() for k, v in model.state_dict().items()}
         if self.hp.option == "II":
             c_new = control_update(c_i, c, x, y, max(stats["steps"], 1), ctx.lr)
-        delta_c = {DELTA_C + k: c_new[k] - c_i[k] for k in c_i}
+        delta_c = {k: c_new[k] - c_i[k] for k in c_i}
         ctx.state["c"] = cpu_copy(c_new)
-        return Upload(tensors={**y, **delta_c}, weight=1.0, metrics=stats)  # uniform mean over S
+        return Upload(tensors=y, weight=1.0, metrics=stats, statistics=delta_c)  # uniform means over S
 
     def aggregate(self, state, uploads, round):
         x, mean = state["global"], uploads.mean
@@ -131,7 +129,7 @@ class Scaffold(Method):
             y_bar = mean[k]
             new_x[k] = y_bar if eta == 1.0 or k not in state["c"] else (v + eta * (y_bar - v)).to(v.dtype)
         share = len(uploads.clients) / self.setup.num_clients  # (1/N) sum_S = (|S|/N) mean_S
-        c = {k: v + share * mean[DELTA_C + k] for k, v in state["c"].items()}
+        c = {k: v + share * uploads.statistics[k] for k, v in state["c"].items()}  # statistics: mean of Delta c_i
         return {**state, "global": new_x, "c": c}
 
 

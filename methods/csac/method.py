@@ -69,27 +69,26 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class CSACHparams(Hparams):
-    lam: float = setting(0.6, ge=0, source="paper Sec. 4.1; code agrees")  # lambda of Eq. 11 (all experiments)
-    label_smoothing: float = setting(0.1, ge=0, lt=1, source="paper Eq. 2 and Table 5's ablation; the code's flag is unused (spec 9.2)")  # alpha of Eq. 2 (stage 1 only)
-    stage1_epochs: int = setting(30, ge=0, source="paper Sec. 4.1; code agrees")  # local semantic acquisition epochs (Sec. 4.1)
-    stage1_iters_per_epoch: int = setting(60, ge=0, source="official code (junkunyuan/CSAC --length 60); the paper does not define its epoch")  # 60 iterations an epoch (code); 0: an epoch is a pass over D^h
-    iters_per_epoch: int = setting(20, ge=0, source="official code (junkunyuan/CSAC client.length 20); the paper does not define its epoch")  # calibration (train.epochs per round): 20 iterations an epoch (code); 0: a pass
+    lam: float = setting(0.6, ge=0, source="paper Sec. 4.1; code agrees", doc="lambda of Eq. 11 (all experiments)")
+    label_smoothing: float = setting(0.1, ge=0, lt=1, source="paper Eq. 2 and Table 5's ablation; the code's flag is unused (spec 9.2)", doc="alpha of Eq. 2 (stage 1 only)")
+    stage1_epochs: int = setting(30, ge=0, source="paper Sec. 4.1; code agrees", doc="local semantic acquisition epochs (Sec. 4.1)")
+    stage1_iters_per_epoch: int = setting(60, ge=0, source="official code (junkunyuan/CSAC --length 60); the paper does not define its epoch", doc="60 iterations an epoch (code); 0: an epoch is a pass over D^h")
+    iters_per_epoch: int = setting(20, ge=0, source="official code (junkunyuan/CSAC client.length 20); the paper does not define its epoch", doc="calibration (train.epochs per round): 20 iterations an epoch (code); 0: a pass")
     # ---- aggregation (Table 4) ----
-    fusion: str = setting("divergence", one_of=("divergence", "similarity", "average"), source="paper Eq. 4; code agrees")  # Eq. 4 | closer -> larger | 1/H
-    fusion_distance: str = setting("l2", one_of=("l2", "l1", "cosine"), source="paper Eq. 4; code agrees")  # l2 (paper)
+    fusion: str = setting("divergence", one_of=("divergence", "similarity", "average"), source="paper Eq. 4; code agrees", doc="Eq. 4 | closer -> larger | 1/H")
+    fusion_distance: str = setting("l2", one_of=("l2", "l1", "cosine"), source="paper Eq. 4; code agrees", doc="l2 (paper)")
     # ---- calibration (Table 5) ----
-    # cross (Eq. 6, all pairs, attention) | same_layer | uniform | none
-    alignment: str = setting("cross", one_of=("cross", "same_layer", "uniform", "none"), source="paper Eq. 6 (the code's default run has none: spec 9.1)")
-    attention: str = setting("both", one_of=("both", "position", "channel"), source="paper Eq. 9")  # Eq. 9 | Eq. 7 only | Eq. 8 only
-    discrepancy: str = setting("mmd", one_of=("mmd", "mse"), source="paper Eq. 6 (MMD); code's multi-kernel form")  # MK-MMD | MSE
-    retrain_loss: bool = setting(True, source="paper Eq. 10")  # L_AR of Eq. 10 ("without cross-entropy" ablation: False)
-    layers: tuple[str, ...] = setting((), source="paper Sec. 4.1 (last three blocks / convs); code agrees")  # the layer set R (module names); () = the architecture's default
-    proj_channels: int = setting(32, ge=1, source="official code; the paper's 'size of the last adopted layer' (Eq. 5) may mean its channels too")  # c of the projected features (code)
-    proj_size: int = setting(0, ge=0, source="paper Eq. 5 text (the last adopted layer's size); the code agrees on ResNet-18, uses 4 on AlexNet")  # g = w of the projected features; 0 = the last layer of R (paper)
-    alpha_temperature: float = setting(1.0, gt=0, expected="> 0", source="paper Eqs. 7-8 (no temperature); code agrees")  # softmax temperature of Eqs. 7-8 (the paper has none: 1)
-    logit_mmd_weight: float = setting(0.0, ge=0, source="paper (no such term); variant official_code uses lam")  # the code's extra MK-MMD(logits_L, logits_M) weight
-    independent_head_init: bool = setting(True, source="official code (one net built per client); the paper is silent (spec 9.8)")  # code: every client draws its own random head
-    variant: str = setting("paper", one_of=("paper", "official_code"), source="paper (the code's default run cannot give Tables 4-5: spec 9.1)")  # official_code: no L_AL, logit MMD weight lam, plain CE
+    alignment: str = setting("cross", one_of=("cross", "same_layer", "uniform", "none"), source="paper Eq. 6 (the code's default run has none: spec 9.1)", doc="cross (Eq. 6, all pairs, attention) | same_layer | uniform | none")
+    attention: str = setting("both", one_of=("both", "position", "channel"), source="paper Eq. 9", doc="Eq. 9 | Eq. 7 only | Eq. 8 only")
+    discrepancy: str = setting("mmd", one_of=("mmd", "mse"), source="paper Eq. 6 (MMD); code's multi-kernel form", doc="MK-MMD | MSE")
+    retrain_loss: bool = setting(True, source="paper Eq. 10", doc='L_AR of Eq. 10 ("without cross-entropy" ablation: False)')
+    layers: tuple[str, ...] = setting((), source="paper Sec. 4.1 (last three blocks / convs); code agrees", doc="the layer set R (module names); () = the architecture's default")
+    proj_channels: int = setting(32, ge=1, source="official code; the paper's 'size of the last adopted layer' (Eq. 5) may mean its channels too", doc="c of the projected features (code)")
+    proj_size: int = setting(0, ge=0, source="paper Eq. 5 text (the last adopted layer's size); the code agrees on ResNet-18, uses 4 on AlexNet", doc="g = w of the projected features; 0 = the last layer of R (paper)")
+    alpha_temperature: float = setting(1.0, gt=0, expected="> 0", source="paper Eqs. 7-8 (no temperature); code agrees", doc="softmax temperature of Eqs. 7-8 (the paper has none: 1)")
+    logit_mmd_weight: float = setting(0.0, ge=0, source="paper (no such term); variant official_code uses lam", doc="the code's extra MK-MMD(logits_L, logits_M) weight")
+    independent_head_init: bool = setting(True, source="official code (one net built per client); the paper is silent (spec 9.8)", doc="code: every client draws its own random head")
+    variant: str = setting("paper", one_of=("paper", "official_code"), source="paper (the code's default run cannot give Tables 4-5: spec 9.1)", doc="official_code: no L_AL, logit MMD weight lam, plain CE")
 
     @classmethod
     def search_space(cls):
@@ -177,8 +176,6 @@ class CSAC(Method):
     # ---- server ---------------------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:
         """Eqs. 3-4 over every client's full state dict (buffers included), ascending ids."""
-        if not uploads.each:
-            return state
         cids = uploads.clients
         fused, weights = fuse([uploads.each[c].tensors for c in cids], self.hp.fusion, self.hp.fusion_distance)
         return {**state, "global": {**state["global"], **fused},

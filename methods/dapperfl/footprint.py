@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from raysim.core.errors import UserError
-from raysim.methods.dapperfl.masks import apply_masks, prune_masks
+from raysim.methods.dapperfl.masks import prune_masks
+from raysim.methods.lib.masks import apply_masks
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -3,23 +3,10 @@ zeroes. ``filters`` (the paper: rho of each layer's output filters, by L1 norm) 
 (the published code: input channels, then output filters)."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-def num_pruned(size: int, rho: float) -> int:
-    """round(rho * size), halves rounded up (with the paper's ratios and widths there are none)."""
-    return min(size, int(math.floor(rho * size + 0.5 + 1e-9)))
-
-
-def top_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """Boolean mask keeping the ``keep`` highest scores (ties: the lower index)."""
-    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-    if keep > 0:
-        order = torch.argsort(scores.detach().double(), descending=True, stable=True)
-        mask[order[:keep]] = True
-    return mask
+from raysim.methods.lib.masks import num_pruned, top_mask
 
 
 def layer_roles(model: nn.Module, scheme: str = "filters") -> dict[str, str]:
@@ -76,12 +63,3 @@ def prune_masks(model: nn.Module, rho: float, scheme: str = "filters") -> dict[s
             cols = top_mask(w.norm(p=2, dim=0), w.shape[1] - num_pruned(w.shape[1], rho))
             masks[key] = cols.view(1, -1).expand_as(w).clone()
     return masks
-
-
-@torch.no_grad()
-def apply_masks(model: nn.Module, masks: dict[str, torch.Tensor]) -> None:
-    """w <- w * M in place (Alg. 1 line 4; also after every step of the pruned epochs)."""
-    params = dict(model.named_parameters())
-    for key, m in masks.items():
-        p = params[key]
-        p.mul_(m.to(p.device, p.dtype))

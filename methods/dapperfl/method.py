@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -85,8 +86,9 @@ from raysim.core.contract import ClientContext, Method, Upload, client_weight
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
 from raysim.methods.dapperfl.footprint import PAPER_LEVELS, measure_footprint, summary_section
-from raysim.methods.dapperfl.masks import apply_masks, prune_masks
-from raysim.core.tiers import level_tiers
+from raysim.methods.dapperfl.masks import prune_masks
+from raysim.methods.lib.masks import apply_masks
+from raysim.core.tiers import ClientTiers
 from raysim.core.settings import setting
 from raysim.core.training import collect_bn_stats
 
@@ -95,34 +97,28 @@ from raysim.core.training import collect_bn_stats
 
 @dataclass(frozen=True)
 class DapperFLHparams(Hparams):
-    alpha0: float = setting(0.9, ge=0, le=1, source="paper Table 4 (best of Fig. 4a); code agrees")  # initial fusion factor
-    alpha_min: float = setting(0.1, ge=0, le=1, source="paper Table 4 (best of Fig. 4b); code agrees")  # floor of the fusion factor
-    epsilon: float = setting(0.2, ge=0, lt=1, source="paper Table 4 (best of Fig. 4c); code agrees")  # decay ("sensitivity") of the fusion factor per round
-    gamma: float = setting(0.01, ge=0, source="paper Table 4 (Fig. 4d), tuned with the code's unsquared DAR")  # DAR weight
+    alpha0: float = setting(0.9, ge=0, le=1, source="paper Table 4 (best of Fig. 4a); code agrees", doc="initial fusion factor")
+    alpha_min: float = setting(0.1, ge=0, le=1, source="paper Table 4 (best of Fig. 4b); code agrees", doc="floor of the fusion factor")
+    epsilon: float = setting(0.2, ge=0, lt=1, source="paper Table 4 (best of Fig. 4c); code agrees", doc='decay ("sensitivity") of the fusion factor per round')
+    gamma: float = setting(0.01, ge=0, source="paper Table 4 (Fig. 4d), tuned with the code's unsquared DAR", doc="DAR weight")
     # ---- system heterogeneity: who gets which pruning ratio ----
-    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="paper Sec. 4.2; code's pr_ratios")  # rho of each capability tier C_1..C_L
-    # without clients.profiles, the tiers are DapperFL's own: shares (None: equal) and "seeded"
-    # (balanced slots shuffled by setup.seed) or "modulo" (client k -> tier k mod L, the official code)
-    tier_shares: tuple[float, ...] | None = setting(None, ge=0, source="code: two clients per tier (equal shares)")
+    rho_levels: tuple[float, ...] = setting(PAPER_LEVELS, ge=0, lt=1, source="paper Sec. 4.2; code's pr_ratios", doc="rho of each capability tier C_1..C_L")
+    tier_shares: tuple[float, ...] | None = setting(None, ge=0, source="code: two clients per tier (equal shares)", doc="without clients.profiles, the tiers are DapperFL's own: shares (None: equal)")
     tier_assignment: str = setting("seeded", one_of=("seeded", "modulo"),
-                                   source="ours: the code's k mod 5 made seedable (spec 9.14)")
-    rho: float | None = setting(None, ge=0, lt=1, source="paper Table 1 setting: ratios by tier, none uniform")  # one ratio for every client (Fig. 3, Tables 5-6); overrides tiers
+                                   source="ours: the code's k mod 5 made seedable (spec 9.14)", doc='without clients.profiles: "seeded" (balanced slots shuffled by setup.seed) or "modulo" (client k -> tier k mod L, the official code)')
+    rho: float | None = setting(None, ge=0, lt=1, source="paper Table 1 setting: ratios by tier, none uniform", doc="one ratio for every client (Fig. 3, Tables 5-6); overrides tiers")
     # ---- variants (spec section 2.6) ----
-    fusion: bool = setting(True, source="paper Eqs. 1-2 and Table 3 (the code's fusion never runs: spec 10.1)")  # "w/o MFP" ablation: False
-    fuse_from_round: int = setting(2, ge=1, source="code: fusion skipped in round 1 (spec 9.5, 10.6)")  # 1 = Eq. 2 literally from t = 1 (blends 90% of the random W^0 back in)
-    recovery: str = setting("global", one_of=("global", "zero"), source="paper Eq. 6 (the code loses it: spec 10.2)")  # Eq. 6: pruned slots <- W^{t-1} | 0 (code)
-    dar_form: str = setting("l2", one_of=("squared", "l2"), source="code, which gamma was tuned with (spec 9.3, 10.3)")  # ||z|| (code) | ||z||^2 (paper Eq. 3)
-    ce_norm: str = setting("batch", one_of=("batch", "labels"), source="code's batch-mean CE (spec 9.4)")  # Eq. 4: batch-mean CE | CE / |K_i| (Eq. 4 literally)
-    dar_in_finetune: bool = setting(True, source="code (the paper is silent: spec 9.9)")  # CE + gamma * DAR in the fine-tune epoch too
-    finetune_epochs: int = setting(1, ge=1, source="paper Alg. 1 line 1; code agrees")  # dense epochs before pruning
-    # "filters": output filters by L1, proportion of 0 in M = rho (paper) | "official": in + out channels (code)
+    fusion: bool = setting(True, source="paper Eqs. 1-2 and Table 3 (the code's fusion never runs: spec 10.1)", doc='"w/o MFP" ablation: False')
+    fuse_from_round: int = setting(2, ge=1, source="code: fusion skipped in round 1 (spec 9.5, 10.6)", doc="1 = Eq. 2 literally from t = 1 (blends 90% of the random W^0 back in)")
+    recovery: str = setting("global", one_of=("global", "zero"), source="paper Eq. 6 (the code loses it: spec 10.2)", doc="Eq. 6: pruned slots <- W^{t-1} | 0 (code)")
+    dar_form: str = setting("l2", one_of=("squared", "l2"), source="code, which gamma was tuned with (spec 9.3, 10.3)", doc="||z|| (code) | ||z||^2 (paper Eq. 3)")
+    ce_norm: str = setting("batch", one_of=("batch", "labels"), source="code's batch-mean CE (spec 9.4)", doc="Eq. 4: batch-mean CE | CE / |K_i| (Eq. 4 literally)")
+    dar_in_finetune: bool = setting(True, source="code (the paper is silent: spec 9.9)", doc="CE + gamma * DAR in the fine-tune epoch too")
+    finetune_epochs: int = setting(1, ge=1, source="paper Alg. 1 line 1; code agrees", doc="dense epochs before pruning")
     prune_scheme: str = setting("filters", one_of=("filters", "official"),
-                                source="paper: rho is the proportion of 0 in M (the code's scheme zeroes ~1-(1-rho)^2)")
-    # BN running statistics of the upload (the paper is silent on them):
-    # "recovered": re-estimated on the client's Eq.-6-recovered dense model (one forward pass over D_i) |
-    # "pruned": those the pruned epochs leave (the literal reading: the global model then evaluates at chance)
-    bn_stats: str = setting("recovered", one_of=("recovered", "pruned"), source="ours: the paper is silent; the code keeps the pruned ones (module docstring)")
-    official_compat: bool = setting(False, source="paper (True: the published code's behaviour, spec 10)")  # forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch", prune_scheme="official"
+                                source="paper: rho is the proportion of 0 in M (the code's scheme zeroes ~1-(1-rho)^2)", doc='"filters": output filters by L1, proportion of 0 in M = rho (paper) | "official": in + out channels (code)')
+    bn_stats: str = setting("recovered", one_of=("recovered", "pruned"), source="ours: the paper is silent; the code keeps the pruned ones (module docstring)", doc='BN running statistics of the upload (the paper is silent on them): "recovered": re-estimated on the client\'s Eq.-6-recovered dense model (one forward pass over D_i) | "pruned": those the pruned epochs leave (the literal reading: the global model then evaluates at chance)')
+    official_compat: bool = setting(False, source="paper (True: the published code's behaviour, spec 10)", doc='forces fusion=False, recovery="zero", dar_form="l2", ce_norm="batch", prune_scheme="official"')
 
     def __post_init__(self):
         if not self.rho_levels:
@@ -257,17 +253,16 @@ class DapperFL(Method):
     shares = 'shares pruned sub-models (fusion pruning, tier ratio rho); server recovers and aggregates'
 
     # ---- system heterogeneity ------------------------------------------------------------
-    def client_tier(self, client_id: int) -> int:
-        """The client's capability tier: its profile's (clients.profiles), else DapperFL's own
+    @cached_property
+    def tiers(self) -> ClientTiers:
+        """Each client's capability tier: its profile's (clients.profiles), else DapperFL's own
         assignment (hp.dapperfl.tier_assignment, tier_shares)."""
-        profiles = self.setup.client_profiles
-        if client_id < len(profiles):
-            return int(profiles[client_id]["tier"])
-        if not hasattr(self, "_tiers"):
-            how = "round_robin" if self.hp.tier_assignment == "modulo" else "random"
-            self._tiers = level_tiers(self.setup.num_clients, len(self.hp.rho_levels), self.hp.tier_shares,
-                                      how, self.setup.seed, purpose="dapperfl-tiers")
-        return int(self._tiers[client_id]) if client_id < len(self._tiers) else client_id % len(self.hp.rho_levels)
+        how = "round_robin" if self.hp.tier_assignment == "modulo" else "random"
+        return ClientTiers(self.setup, len(self.hp.rho_levels), method=self.name, shares=self.hp.tier_shares,
+                           how=how, purpose="dapperfl-tiers", checked=False)  # a profile may carry its rho
+
+    def client_tier(self, client_id: int) -> int:
+        return self.tiers(client_id)
 
     def client_rho(self, client_id: int) -> float:
         """rho_i: hp.rho if set, else a profile's "rho", else the ratio of the client's tier."""
@@ -372,8 +367,6 @@ class DapperFL(Method):
 
     # ---- server: Eqs. 6-7 ----------------------------------------------------------------
     def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
         prev = state["global"]
         recovered = ((recover(up.tensors, up.extras.get("masks", {}), prev, self.hp.use_recovery), up.weight)
                      for up in uploads.each.values())  # Eq. 6, client by client

@@ -65,22 +65,22 @@ ODD_KERNELS = (1, 3, 5, 7)
 
 @dataclass(frozen=True)
 class FDSEHparams(Hparams):
-    lam: float = setting(0.1, ge=0, source="ours: middle of the paper's grid {0.01, 0.1, 1} (A7.4); its choice is unreported")  # lambda, weight of L_Con (paper grid {0.01, 0.1, 1}; chosen value unreported)
-    tau: float = setting(0.5, gt=0, expected="> 0", source="official code (WwZzz/FDSE_CVPR25) default and configs; in the paper's grid")  # Eq. 9 temperature (paper grid {0.001, 0.01, 0.1, 0.5}; official configs 0.5)
-    beta: float = setting(0.001, source="paper Sec. 4.2 (fixed); official PACS config agrees")  # Eq. 7 depth exponent, fixed by the paper
-    gamma: float = setting(0.9, ge=0, lt=1, source="paper Eq. 5 (BN_DFE's momentum 0.1); code agrees")  # Eq. 5 EMA momentum (weight on the old value) = 1 - BN momentum 0.1
-    G: int = setting(2, ge=2, source="paper Table A6; code agrees")  # DSE expansion ratio (Table A6: 2 everywhere)
-    dw: int = setting(3, one_of=ODD_KERNELS, source="paper Table A6; code agrees")  # cheap depthwise kernel of conv blocks (Table A6: 3)
-    dw_fc: int = setting(1, one_of=ODD_KERNELS, source="paper Table A6; code agrees")  # cheap op kernel of FC blocks (Table A6: 1, a per-channel scale)
+    lam: float = setting(0.1, ge=0, source="ours: middle of the paper's grid {0.01, 0.1, 1} (A7.4); its choice is unreported", doc="lambda, weight of L_Con (paper grid {0.01, 0.1, 1}; chosen value unreported)")
+    tau: float = setting(0.5, gt=0, expected="> 0", source="official code (WwZzz/FDSE_CVPR25) default and configs; in the paper's grid", doc="Eq. 9 temperature (paper grid {0.001, 0.01, 0.1, 0.5}; official configs 0.5)")
+    beta: float = setting(0.001, source="paper Sec. 4.2 (fixed); official PACS config agrees", doc="Eq. 7 depth exponent, fixed by the paper")
+    gamma: float = setting(0.9, ge=0, lt=1, source="paper Eq. 5 (BN_DFE's momentum 0.1); code agrees", doc="Eq. 5 EMA momentum (weight on the old value) = 1 - BN momentum 0.1")
+    G: int = setting(2, ge=2, source="paper Table A6; code agrees", doc="DSE expansion ratio (Table A6: 2 everywhere)")
+    dw: int = setting(3, one_of=ODD_KERNELS, source="paper Table A6; code agrees", doc="cheap depthwise kernel of conv blocks (Table A6: 3)")
+    dw_fc: int = setting(1, one_of=ODD_KERNELS, source="paper Table A6; code agrees", doc="cheap op kernel of FC blocks (Table A6: 1, a per-channel scale)")
     # ---- switches (defaults = the paper; alternatives = official code or ablations) ----
-    dse_act: str = setting("relu", one_of=ACTIVATIONS, source="paper Eq. 3, Table A7; first code commit dd266a2 agrees")  # after BN_DSE: "relu" (Eq. 3, Table A7) | "none" (latest code)
-    con_mode: str = setting("paper", one_of=("paper", "code_v2"), source="paper Eq. 6; first code commit dd266a2 has its form")  # Eq. 6 per channel | the latest code's KL-like loss
-    skip_first_round: bool = setting(True, source="official code (the paper is silent)")  # no L_Con in round 1 (global BN stats still at 0 / 1)
-    shared_agg: str = setting("consensus", one_of=("consensus", "mean"), source="paper Eq. 8; code agrees")  # Eq. 8 | ablation "w/o A": FedAvg mean
-    dse_agg: str = setting("attention", one_of=("attention", "local", "mean"), source="paper Eq. 9; code agrees")  # Eq. 9 | "w/o B" | uniform mean
+    dse_act: str = setting("relu", one_of=ACTIVATIONS, source="paper Eq. 3, Table A7; first code commit dd266a2 agrees", doc='after BN_DSE: "relu" (Eq. 3, Table A7) | "none" (latest code)')
+    con_mode: str = setting("paper", one_of=("paper", "code_v2"), source="paper Eq. 6; first code commit dd266a2 has its form", doc="Eq. 6 per channel | the latest code's KL-like loss")
+    skip_first_round: bool = setting(True, source="official code (the paper is silent)", doc="no L_Con in round 1 (global BN stats still at 0 / 1)")
+    shared_agg: str = setting("consensus", one_of=("consensus", "mean"), source="paper Eq. 8; code agrees", doc='Eq. 8 | ablation "w/o A": FedAvg mean')
+    dse_agg: str = setting("attention", one_of=("attention", "local", "mean"), source="paper Eq. 9; code agrees", doc='Eq. 9 | "w/o B" | uniform mean')
     # ---- unseen-client adaptation (Alg. 3; the paper gives no E or eta: spec 9.26) ----
-    adapt_epochs: int = setting(5, ge=0, source="ours: Alg. 3 says 'several epochs' (spec 9.26)")  # 0: no adaptation (Table 2's "- align" row)
-    adapt_lr: float = setting(0.0, ge=0, source="ours: the paper gives no eta (spec 9.26)")  # eta; 0: the learning rate of the last training round
+    adapt_epochs: int = setting(5, ge=0, source="ours: Alg. 3 says 'several epochs' (spec 9.26)", doc='0: no adaptation (Table 2\'s "- align" row)')
+    adapt_lr: float = setting(0.0, ge=0, source="ours: the paper gives no eta (spec 9.26)", doc="eta; 0: the learning rate of the last training round")
     adapt_batch: int = setting(50, ge=2, source="ours: the paper's training batch (A7.4); Alg. 3 gives none")
 
     @classmethod
@@ -121,12 +121,9 @@ class FDSE(Method):
 
     # ---- model (Sec. 4.1) -------------------------------------------------------------------
     def build_model(self):
-        from raysim.models import build
-        m = self.setup.model
-        if m.pretrained:
+        if self.setup.model.pretrained:
             raise UserError("FDSE re-creates every layer as a DSE block; 'model.pretrained' cannot be used")
-        base = build(m.name, num_classes=self.setup.num_classes, in_channels=self.setup.image_shape[0],
-                     input_size=self.setup.image_shape[-1], norm="bn", **m.options)
+        base = self.base_model(norm="bn")
         hp = self.hp
         return decompose(base, G=hp.G, dw=hp.dw, dw_fc=hp.dw_fc, dse_act=hp.dse_act)
 
@@ -145,8 +142,6 @@ class FDSE(Method):
         return {"dse": state["dse"].get(client_id, state["dse_init"])}
 
     def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
         ids, ups = list(uploads.each), list(uploads.each.values())
         new_global = {}
         for key, cur in state["global"].items():

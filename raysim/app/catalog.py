@@ -10,6 +10,7 @@ import sys
 import typing
 
 from raysim.core.errors import first_line
+from raysim.core.settings import field_doc
 from raysim.app.rundir import read_yaml_dict
 from raysim.app.tables import markdown_table
 
@@ -127,28 +128,8 @@ def _type_text(tp) -> str:
     return type_name(tp)
 
 
-def field_comments(hp_cls) -> dict[str, str]:
-    """{field: the comment on its line} from the Hparams class's source (what the paper says of it)."""
-    import inspect
-    import re
-    out: dict[str, str] = {}
-    for klass in reversed(hp_cls.__mro__):  # a subclass's comment wins
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            lines = inspect.getsource(klass).splitlines()
-        except (OSError, TypeError):
-            continue
-        for line in lines:
-            m = re.match(r"\s+(\w+)\s*:[^#=]*=.*?#\s*(.+)$", line)
-            if m:
-                out[m.group(1)] = m.group(2).strip()
-    return out
-
-
 def hparam_rows(cls) -> list[list[str]]:
     hp = cls.Hparams
-    notes = field_comments(hp)
     hints = typing.get_type_hints(hp)
     space = hp.search_space() or {}
     rows = []
@@ -160,7 +141,7 @@ def hparam_rows(cls) -> list[list[str]]:
         else:
             default = "(required)"
         rows.append([f.name, _type_text(hints.get(f.name, f.type)), default, default_source(f) or "–",
-                     allowed_text(f) or "any", space_text(space.get(f.name)) or "–", notes.get(f.name, "")])
+                     allowed_text(f) or "any", space_text(space.get(f.name)) or "–", field_doc(f)])
     return rows
 
 

@@ -7,8 +7,10 @@ receives what the aggregator reduced to:
 * :class:`WeightedMean` (FedAvg and most methods) -> :class:`Mean`: the weight-weighted mean of
   the round's uploaded tensors, summed in float64 on each host, on the uploads' device (a float32
   value times an integer weight is exact in float64), so 1 host or 8 give the same float32 result;
-  the sums leave the device once per host per round (:meth:`Aggregator.leave_device`); plus every client's
-  ``extras`` (small non-model statistics such as class prototypes) by client id.
+  the sums leave the device once per host per round (:meth:`Aggregator.leave_device`); the
+  uploads' ``statistics`` (non-model vectors: SCAFFOLD's control-variate updates) folded the same
+  way, with the same weights, into ``Mean.statistics``; plus every client's ``extras`` (anything
+  else, such as class prototypes) by client id.
 * :class:`KeepAll` (FDSE, CSAC, DapperFL) -> :class:`AllUploads`: every client's upload.
 
 :func:`weighted_mean` is the one float64 weighted mean: methods whose own server step averages
@@ -110,6 +112,7 @@ class Mean:
     total_weight: float
     clients: list[int]  # the round's client ids, ascending
     extras: dict[int, dict] = field(default_factory=dict)  # each client's Upload.extras (if any)
+    statistics: Tensors = field(default_factory=dict)  # weighted mean of Upload.statistics, the same weights
 
 
 @dataclass
@@ -149,24 +152,29 @@ class Aggregator:
 
 @dataclass
 class MeanPartial:
-    sums: dict = field(default_factory=dict)  # float64 weighted sums
+    sums: dict = field(default_factory=dict)  # float64 weighted sums of Upload.tensors
     weight: float = 0.0
     dtypes: dict = field(default_factory=dict)
     clients: list = field(default_factory=list)
     extras: dict = field(default_factory=dict)
+    statistics: dict = field(default_factory=dict)  # float64 weighted sums of Upload.statistics
+    statistic_dtypes: dict = field(default_factory=dict)
 
 
 class WeightedMean(Aggregator):
-    """n_k-weighted FedAvg mean (the weight is ``Upload.weight``)."""
+    """n_k-weighted FedAvg mean (the weight is ``Upload.weight``) of the uploads' tensors, and of
+    their statistics with the same weights."""
 
     def start(self) -> MeanPartial:
         return MeanPartial()
 
     def add(self, partial: MeanPartial, client_id: int, upload) -> None:
-        accumulate(partial.sums, upload.tensors, upload.weight)
+        for sums, dtypes, tensors in ((partial.sums, partial.dtypes, upload.tensors),
+                                      (partial.statistics, partial.statistic_dtypes, upload.statistics)):
+            accumulate(sums, tensors, upload.weight)
+            for k, v in tensors.items():
+                dtypes.setdefault(k, v.dtype)
         partial.weight += upload.weight
-        for k, v in upload.tensors.items():
-            partial.dtypes.setdefault(k, v.dtype)
         partial.clients.append(client_id)
         if upload.extras:
             partial.extras[client_id] = upload.extras
@@ -174,20 +182,28 @@ class WeightedMean(Aggregator):
     def leave_device(self, partial: MeanPartial) -> MeanPartial:
         """The float64 sums (on the uploads' device during the round) and the clients' extras to
         the CPU in one move."""
-        moved = to_device({"sums": partial.sums, "extras": partial.extras}, "cpu", what="partial")
-        return dataclasses.replace(partial, sums=moved["sums"], extras=moved["extras"])
+        moved = to_device({"sums": partial.sums, "statistics": partial.statistics, "extras": partial.extras},
+                          "cpu", what="partial")
+        return dataclasses.replace(partial, sums=moved["sums"], statistics=moved["statistics"], extras=moved["extras"])
 
     def reduce(self, partials: list[MeanPartial]) -> Mean:
-        sums: dict[str, torch.Tensor] = {}
-        dtypes: dict[str, torch.dtype] = {}
-        for p in partials:
-            for k, v in p.sums.items():
-                sums[k] = sums[k] + v if k in sums else v.clone()
-            dtypes.update(p.dtypes)
         total = sum(p.weight for p in partials)
-        mean = {k: cast_like(v / total if total > 0 else v, dtypes[k]) for k, v in sums.items()}
+        mean = reduce_sums([(p.sums, p.dtypes) for p in partials], total)
+        statistics = reduce_sums([(p.statistics, p.statistic_dtypes) for p in partials], total)
         extras = dict(sorted(((c, e) for p in partials for c, e in p.extras.items()), key=lambda ce: ce[0]))
-        return Mean(mean, total, sorted(c for p in partials for c in p.clients), extras)
+        return Mean(mean, total, sorted(c for p in partials for c in p.clients), extras, statistics)
+
+
+def reduce_sums(partials: list[tuple[dict, dict]], total: float) -> Tensors:
+    """The hosts' float64 sums (``(sums, dtypes)`` in host order) added up, divided by ``total``
+    and cast back to each key's dtype: the server's half of :class:`WeightedMean`."""
+    sums: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for part, part_dtypes in partials:
+        for k, v in part.items():
+            sums[k] = sums[k] + v if k in sums else v.clone()
+        dtypes.update(part_dtypes)
+    return {k: cast_like(v / total if total > 0 else v, dtypes[k]) for k, v in sums.items()}
 
 
 class KeepAll(Aggregator):
@@ -197,11 +213,12 @@ class KeepAll(Aggregator):
         return {}
 
     def add(self, partial: dict, client_id: int, upload) -> None:
-        """A CPU copy of the upload (its tensors are the model's, which the next client overwrites):
-        on a GPU host a non-blocking copy into pinned memory, so the next client starts at once
-        (the device's stream orders it before that client's writes)."""
-        partial[client_id] = dataclasses.replace(
-            upload, tensors=to_device(upload.tensors, "cpu", what="upload", copy=True, non_blocking=True))
+        """A CPU copy of the upload's tensors and statistics (its tensors are the model's, which the
+        next client overwrites): on a GPU host a non-blocking copy into pinned memory, so the next
+        client starts at once (the device's stream orders it before that client's writes)."""
+        moved = to_device({"tensors": upload.tensors, "statistics": upload.statistics}, "cpu", what="upload",
+                          copy=True, non_blocking=True)
+        partial[client_id] = dataclasses.replace(upload, tensors=moved["tensors"], statistics=moved["statistics"])
 
     def leave_device(self, partial: dict) -> dict:
         """Every upload is on the CPU already: wait for the copies still in flight."""

@@ -17,7 +17,8 @@ bottom it is the paper's algorithm box:
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
 client, keeps ``ctx.state`` for that client between rounds (spilling it to disk when idle), folds
-the uploads with the method's aggregator and hands the result to ``aggregate``.
+the uploads with the method's aggregator and hands the result to ``aggregate`` (only in a round
+that has uploads).
 
 Placement (where tensors live; on a CPU host everything is on the CPU and nothing moves):
 
@@ -88,11 +89,17 @@ class Setup:
 
 @dataclass
 class Upload:
-    """What one client sends back after its local step."""
+    """What one client sends back after its local step.
+
+    Non-model vectors the server averages (SCAFFOLD's control-variate update Delta c_i) go in
+    ``statistics``, under their own names: :class:`~raysim.core.aggregation.WeightedMean` folds
+    them as it folds ``tensors``, with the same weight, into ``Mean.statistics``. What the server
+    needs client by client (masks, prototypes, a bank's entries) goes in ``extras``."""
     tensors: Tensors  # usually the trained shared tensors: folded by the method's aggregator
     weight: float  # aggregation weight (n_k by default, see train.weighting)
-    extras: dict = field(default_factory=dict)  # anything else the server needs (masks, statistics, prototypes)
+    extras: dict = field(default_factory=dict)  # anything else the server needs, by client (masks, prototypes)
     metrics: dict = field(default_factory=dict)  # e.g. {"loss": mean training loss}
+    statistics: Tensors = field(default_factory=dict)  # averaged like ``tensors`` (same weight), kept apart
 
 
 @dataclass
@@ -348,7 +355,11 @@ class Method:
         server optimizer (``server.optimizer``, or the method's ``server_optimizer``) the global
         parameters instead take its step along Δ = mean − global
         (:mod:`raysim.core.server_optimizers`), its state kept in the server's state; SGD at
-        η = 1 skips it: the mean, bit for bit."""
+        η = 1 skips it: the mean, bit for bit.
+
+        Called only with uploads (at least one client of the round uploaded): a round whose
+        clients all dropped (deadline, memory, availability) has no server step, and the state
+        stays as it was."""
         opt = resolve_server_optimizer(getattr(self.setup, "server", None), self.server_optimizer, self.name)
         if opt.plain_mean:
             return {**state, "global": {**state["global"], **uploads.mean}}

@@ -71,17 +71,25 @@ def _num(x) -> str:
 
 
 def setting(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, source: str | None = None,
-            **allowed):
+            doc: str | None = None, **allowed):
     """A dataclass field with its allowed values (``ge``, ``gt``, ``le``, ``lt``, ``one_of``,
     ``expected``); ``None`` always passes where the type admits it. ``source`` says where the
     default comes from (a method's hyperparameters: "paper Eq. 3", "official code", "ours: ..."),
-    shown by ``raysim methods NAME``."""
+    ``doc`` what the setting means (the paper's symbol, what each value does); ``raysim methods
+    NAME`` shows both (:func:`field_doc`)."""
     meta = {"allowed": Allowed(**allowed)} if allowed else {}
     if source is not None:
         meta["source"] = source
+    if doc is not None:
+        meta["doc"] = doc
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def field_doc(f: dataclasses.Field) -> str:
+    """A setting's ``doc`` ("" where it declares none)."""
+    return f.metadata.get("doc", "")
 
 
 # ----------------------------------------------------------------------------- types

@@ -105,3 +105,37 @@ def level_tiers(num_clients: int, num_levels: int, shares: tuple | None = None, 
         return slots
     from raysim.core.seeding import SERVER, rng_for
     return slots[rng_for(seed, 0, SERVER, purpose).permutation(num_clients)]
+
+
+class ClientTiers:
+    """Which capability tier each client has, for a method that gives the clients of different
+    devices different models (DapperFL, FedDrop, FedMP, NeFL): ``tiers(client_id)``.
+
+    A client with a profile (``clients.profiles``) has its profile's tier; without one, the
+    method's own assignment of the training clients to ``num_levels`` tiers (:func:`level_tiers`:
+    ``shares``, ``how``; by default equal shares dealt round robin, i.e. client k -> k mod L,
+    DapperFL's code), and k mod L beyond them. The array is built on first use, and not at all
+    for round robin with equal shares. A profile's tier beyond ``num_levels`` is a one-line error
+    unless ``checked`` is False (DapperFL: a profile may carry its own ratio)."""
+
+    def __init__(self, setup, num_levels: int, *, method: str, shares: tuple | None = None,
+                 how: str = "round_robin", purpose: str = "client-levels", checked: bool = True):
+        self.profiles = setup.client_profiles
+        self.num_clients, self.seed = setup.num_clients, setup.seed
+        self.num_levels, self.method, self.checked = num_levels, method, checked
+        self.shares, self.how, self.purpose = shares, how, purpose
+        self._assigned = None
+
+    def __call__(self, client_id: int) -> int:
+        if client_id < len(self.profiles):
+            tier = int(self.profiles[client_id]["tier"])
+            if self.checked and not 0 <= tier < self.num_levels:
+                raise UserError(f"{self.method}: client {client_id} has tier {tier} but hp.{self.method}.rho_levels "
+                                f"lists {self.num_levels} levels (one ratio per clients.profiles level is needed)")
+            return tier
+        if client_id >= self.num_clients or (self.how == "round_robin" and self.shares is None):
+            return client_id % self.num_levels  # what level_tiers deals client k with equal shares
+        if self._assigned is None:
+            self._assigned = level_tiers(self.num_clients, self.num_levels, self.shares, self.how, self.seed,
+                                         self.purpose)
+        return int(self._assigned[client_id])

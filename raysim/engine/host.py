@@ -237,7 +237,7 @@ class ClientHost:
             out.records_for_owner[cid] = record
         out.state_bytes[cid] = state_nbytes(record)
         metrics = partial.client_metrics[cid] = dict(up.metrics)
-        sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.extras)
+        sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
         partial.bytes_up += sent
         if self._clocked:
             metrics.update(self.clock.round_metrics(cid, macs, tensors_nbytes(mine), sent))

@@ -160,7 +160,7 @@ class Server:
         and sum the round up."""
         results = sorted(host_results, key=lambda r: r.host)
         uploads = self.method.aggregator.reduce([r.uploads for r in results])
-        if uploads.clients:  # no upload arrived (every client dropped): the server state stays as it was
+        if uploads.clients:  # the contract: aggregate only with uploads (all dropped: the state stays as it was)
             self.state = self.method.aggregate(self.state, uploads, rnd)
         gathered = [r.personal_sums for r in results if r.personal_sums is not None]
         if gathered:

@@ -58,6 +58,28 @@ def test_methods_fdse_shows_hyperparameters_and_search_space(capsys):
     assert "configs/fdse/digits5.yaml" in out
 
 
+def test_methods_notes_come_from_the_settings_doc_whole():
+    """The note column is ``setting(..., doc=...)``, declared with the field (not a source
+    comment): a long one is shown whole, and a class defined anywhere (no source) has its notes."""
+    from dataclasses import dataclass
+
+    from raysim.app.catalog import hparam_rows
+    from raysim.core.hparams import Hparams
+    from raysim.core.settings import setting
+    from raysim.methods import registry
+
+    bn_stats = next(row for row in hparam_rows(registry.get("dapperfl")) if row[0] == "bn_stats")
+    assert bn_stats[-1].startswith("BN running statistics of the upload") and bn_stats[-1].endswith("evaluates at chance)")
+
+    @dataclass(frozen=True)
+    class H(Hparams):
+        a: float = setting(0.5, ge=0, source="paper", doc="the weight  # of the term")  # not this comment
+        b: int = setting(1)
+
+    M = type("M", (), {"Hparams": H})
+    assert [(row[0], row[-1]) for row in hparam_rows(M)] == [("a", "the weight  # of the term"), ("b", "")]
+
+
 def test_methods_renders_choice_and_uniform_spaces():
     from raysim.app.catalog import space_text
     from raysim.core.hparams import Space

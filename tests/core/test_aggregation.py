@@ -64,3 +64,50 @@ def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
         Server.aggregate(srv, 1, *[host(h, [(ws[i], ns[i]) for i in g]) for h, g in enumerate(groups)])
         results.append(srv.state["global"]["w"])
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_statistics_are_folded_with_the_uploads_weights_and_kept_apart_from_the_model():
+    """Upload.statistics (SCAFFOLD's Delta c_i): the same weighted float64 mean as the tensors, in
+    Mean.statistics, whatever the hosts; never mixed into Mean.mean, even under the same name.
+    By hand: weights 1 and 3, s = [2, -2] and [6, 2] -> (1 [2, -2] + 3 [6, 2]) / 4 = [5, 1]."""
+    ups = [Upload({"w": torch.tensor([1.0])}, 1.0, statistics={"w": torch.tensor([2.0, -2.0])}),
+           Upload({"w": torch.tensor([5.0])}, 3.0, statistics={"w": torch.tensor([6.0, 2.0])})]
+    agg = WeightedMean()
+    for groups in ([[0, 1]], [[0], [1]]):
+        partials = []
+        for g in groups:
+            p = agg.start()
+            for c in g:
+                agg.add(p, c, ups[c])
+            partials.append(agg.leave_device(p))
+        out = agg.reduce(partials)
+        assert torch.equal(out.mean["w"], torch.tensor([4.0])) and set(out.mean) == {"w"}
+        assert torch.equal(out.statistics["w"], torch.tensor([5.0, 1.0])) and out.statistics["w"].dtype == torch.float32
+    assert agg.reduce([agg.start()]).statistics == {}  # none uploaded: an empty dict
+    keep = KeepAll()
+    p = keep.start()
+    keep.add(p, 0, ups[0])
+    kept = keep.reduce([keep.leave_device(p)]).each[0].statistics["w"]
+    assert torch.equal(kept, ups[0].statistics["w"]) and kept is not ups[0].statistics["w"]  # a copy
+
+
+def test_the_engine_calls_aggregate_only_with_uploads():
+    """The contract (Method.aggregate): a round whose clients all dropped has no server step."""
+    class Refuses(FedAvg):
+        def aggregate(self, state, uploads, round):
+            raise AssertionError("aggregate called without uploads")
+
+    class Fake:
+        def server_metrics(self, state):
+            return {}
+
+    for aggregator in (WeightedMean(), KeepAll()):
+        srv = Fake()
+        srv.method = Refuses(FedAvg.Hparams(), None)
+        srv.method.aggregator = aggregator
+        srv.state = {"global": {"w": torch.zeros(2)}}
+        dropped = {3: {"dropped_deadline": True, "completed": False, "sim_seconds": 9.0}}
+        srv.cfg = type("Cfg", (), {"clients": type("Clients", (), {"deadline_s": 5.0})()})()
+        summary = Server.aggregate(srv, 1, HostRoundResult(host=0, uploads=aggregator.start(), personal_sums=None,
+                                                           bytes_up=0, client_metrics=dropped))
+        assert torch.equal(srv.state["global"]["w"], torch.zeros(2)) and summary.clients == [3]

@@ -12,8 +12,9 @@ from raysim.config import ModelConfig, TrainConfig
 from raysim.core.aggregation import AllUploads, weighted_mean
 from raysim.core.contract import Upload
 from raysim.core.errors import UserError
-from raysim.methods.dapperfl import (DapperFL, RepresentationTap, apply_masks, dar_term, footprint_table, fuse,
-                                     fusion_factor, layer_roles, local_objective, num_pruned, prune_masks, recover)
+from raysim.methods.dapperfl import (DapperFL, RepresentationTap, dar_term, footprint_table, fuse, fusion_factor,
+                                     layer_roles, local_objective, prune_masks, recover)
+from raysim.methods.lib.masks import apply_masks, num_pruned
 from raysim.core.tiers import level_counts, level_tiers
 from raysim.models.base import Net
 from raysim import testing

@@ -14,8 +14,9 @@ from raysim.core.errors import UserError
 from raysim.methods.feddrop import FedDrop, dropout_plan
 from raysim.methods.fedmp import FedMP, filter_scores, l1_plan, r2sp
 from raysim.methods.nefl import NeFL, add_steps, group_mean, inconsistent_keys, nefedavg, nested_plan
-from raysim.methods.submodels import (apply_masks, channel_groups, embed, extract, holder_mean, key_dims, num_kept,
-                                      recover, slices, train_masks)
+from raysim.methods.lib.channels import channel_groups, embed, extract, key_dims, rescale_inputs, slices, train_masks
+from raysim.methods.lib.masks import apply_masks, num_kept
+from raysim.methods.lib.submodels import holder_mean, recover
 from raysim.models import build, count_flops, count_params
 from raysim.models.base import Net, default_conv
 from raysim.models.resnet_cifar import BasicBlock, ResNetCIFAR
@@ -464,7 +465,6 @@ def test_fedmp_at_ratio_zero_is_fedavg():
 
 
 def test_rescale_multiplies_readers_of_a_thinned_group_by_c_over_kept():
-    from raysim.methods.submodels import rescale_inputs
     torch.manual_seed(0)
     net = tiny_net2()
     x = torch.randn(2, 4, 3, 3)

@@ -9,7 +9,7 @@ from raysim.core.aggregation import Mean, WeightedMean
 from raysim.config import TrainConfig
 from raysim.core.contract import Upload, sgd_step
 from raysim.core.errors import UserError
-from raysim.methods.scaffold import DELTA_C, Scaffold, control_update, correction
+from raysim.methods.scaffold import Scaffold, control_update, correction
 from raysim.models import build
 from raysim import testing
 from raysim.testing import client_context, fixed_batches, random_client_data
@@ -54,7 +54,7 @@ def test_scaffold_removes_the_client_drift_on_two_quadratics():
             sgd_step(0.5 * (model.theta - ak).pow(2).sum() + correction(model, drift), opt)
             y = {"theta": model.theta.detach().clone()}
             new = control_update(c_k[k], c, x, y, 1, lr)
-            ups.append(Upload({**y, DELTA_C + "theta": new["theta"] - c_k[k]["theta"]}, 1.0))
+            ups.append(Upload(y, 1.0, statistics={"theta": new["theta"] - c_k[k]["theta"]}))
             c_k[k] = new
         history.append([float(u.tensors["theta"]) for u in ups])
         agg = WeightedMean()
@@ -92,17 +92,17 @@ def test_scaffold_client_step_is_sgd_on_the_corrected_gradient_and_option_two():
         steps += 1
     for k, v in ref.state_dict().items():
         assert torch.allclose(up.tensors[k], v, atol=1e-6), k
-    assert up.weight == 1.0 and steps == 2
+    assert up.weight == 1.0 and steps == 2 and set(up.tensors) == set(x)  # Delta c_i in up.statistics only
     for k in c_i:  # option II by hand: c_i - c + (x - y) / (K eta)
         expected = c_i[k] - c[k] + (x[k] - ref.state_dict()[k]) / (steps * 0.1)
         assert torch.allclose(ctx.state["c"][k], expected, atol=1e-5), k
-        assert torch.allclose(up.tensors[DELTA_C + k], expected - c_i[k], atol=1e-5), k
+        assert torch.allclose(up.statistics[k], expected - c_i[k], atol=1e-5), k
 
 
 def test_scaffold_server_divides_the_variate_by_all_clients_and_steps_eta_g():
     m = Scaffold(Scaffold.Hparams.from_dict({"eta_g": 0.5}), setup(4))  # N = 4, 2 sampled
     state = {"global": {"w": torch.tensor([1.0]), "b": torch.tensor([5.0])}, "c": {"w": torch.tensor([1.0])}}
-    uploads = Mean({"w": torch.tensor([3.0]), "b": torch.tensor([7.0]), DELTA_C + "w": torch.tensor([2.0])}, 2.0, [0, 1])
+    uploads = Mean({"w": torch.tensor([3.0]), "b": torch.tensor([7.0])}, 2.0, [0, 1], statistics={"w": torch.tensor([2.0])})
     new = m.aggregate(state, uploads, 1)
     assert float(new["global"]["w"]) == 2.0  # 1 + 0.5 (3 - 1)
     assert float(new["global"]["b"]) == 7.0  # not a parameter (a buffer): plain mean
@@ -130,7 +130,7 @@ def test_scaffold_keeps_its_variates_on_the_cpu_and_does_the_arithmetic_on_the_m
         ctx = client_context(m, model, fixed_batches(), payload=payload, state=state,
                              train=TrainConfig(batch_size=4, lr=0.1), seed=7, device=device)
         up = m.local_update(ctx)
-        assert set(devices({k: up.tensors[DELTA_C + k] for k in state["c"]}).values()) == {"accelerator"}
+        assert set(up.statistics) == set(state["c"]) and set(devices(up.statistics).values()) == {"accelerator"}
         assert set(ctx.state["c"]) == set(state["c"]) and set(devices(ctx.state["c"]).values()) == {"cpu"}
 
 
@@ -152,4 +152,4 @@ def test_scaffold_option_two_uses_the_steps_taken_and_this_rounds_lr():
         y = up.tensors[k].cpu()
         expected = c_i[k] - c[k] + (x[k] - y) / (4 * 0.05)
         assert torch.allclose(ctx.state["c"][k].cpu(), expected, atol=1e-5), k
-        assert torch.allclose(up.tensors[DELTA_C + k].cpu(), expected - c_i[k], atol=1e-5), k
+        assert torch.allclose(up.statistics[k].cpu(), expected - c_i[k], atol=1e-5), k

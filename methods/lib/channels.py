@@ -1,4 +1,5 @@
-"""Channel sub-models of a dense network, shared by FedDrop, FedMP and NeFL.
+"""Channel sub-models of a dense network (FedDrop, FedMP, NeFL): which channels go together, and
+a sub-model's tensors.
 
 A *channel group* is a set of channels that must be kept or dropped together for a sub-model to
 be a real, smaller network: the output filters of a conv (or the units of a Linear), the norm
@@ -17,8 +18,7 @@ whole. From a plan:
   the host's one dense model (the dropped entries are held at exactly 0: a dropped channel's conv
   output, norm scale and shift are 0, so it outputs 0 and every reader sees nothing; this equals
   training the extracted sub-network with batch-statistics norms, whose dropped channels are then
-  simply absent);
-* ``footprint``: exact parameters and forward MACs of the sub-model (what its device trains).
+  simply absent).
 
 Supported: sequential CNNs (small_cnn, cnn6, mnist_cnn: conv / norm / pool / flatten / Linear)
 and ResNets of BasicBlocks (resnet10, resnet18); any other module holding parameters is refused.
@@ -28,17 +28,12 @@ not equal to, the extracted sub-network.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from raysim.core.aggregation import KeepAll, weighted_mean
-from raysim.core.contract import ClientContext, Method, Upload, client_weight
 from raysim.core.errors import UserError
-from raysim.models.flops import probe
 from raysim.models.norm import is_norm
 
 
@@ -150,12 +145,6 @@ def key_dims(model: nn.Module, groups: list[Group]) -> dict[str, tuple]:
 
 # ----------------------------------------------------------------------------- plans
 
-def num_kept(size: int, rho: float) -> int:
-    """size - round(rho * size) (halves rounded up, DapperFL's rule), at least 1."""
-    pruned = min(size, int(math.floor(rho * size + 0.5 + 1e-9)))
-    return max(1, size - pruned)
-
-
 def _expand(idx: torch.Tensor, factor: int) -> torch.Tensor:
     """Channel c of a flattened (C, H, W) map -> columns c * factor .. c * factor + factor - 1."""
     if factor == 1:
@@ -217,14 +206,6 @@ def train_masks(model: nn.Module, sl: dict) -> dict[str, torch.Tensor]:
     return {k: holds(params[k].shape, *sl[k]).to(params[k].device) for k in sl if k in params}
 
 
-@torch.no_grad()
-def apply_masks(model: nn.Module, masks: dict) -> None:
-    """w <- w * M: the entries outside the sub-model held at 0."""
-    params = dict(model.named_parameters())
-    for k, m in masks.items():
-        params[k].mul_(m.to(params[k].dtype))
-
-
 def _times(factor):
     def hook(module, inputs, output):
         return output * factor
@@ -243,186 +224,3 @@ def rescale_inputs(model: nn.Module, groups: list[Group], plan: dict) -> list:
                 if role == "in":
                     handles.append(modules[name].register_forward_hook(_times(groups[g].size / len(idx))))
     return handles
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-def recover(compact: dict, sl: dict, prev: dict) -> dict:
-    """Residual recovery: the full-shape model whose entries the sub-model lacks are the previous
-    global model's (a zero update there). Keys missing from ``compact`` come from ``prev``."""
-    out = {}
-    for k, base in prev.items():
-        if k not in compact:
-            out[k] = base.clone()
-            continue
-        i0, i1 = sl.get(k, (None, None))
-        out[k] = embed(compact[k].to(base.device), i0, i1, base)
-    return out
-
-
-def holder_mean(items, prev: dict, keys=None) -> dict:
-    """Element-wise weighted mean over the clients whose sub-model holds each entry:
-    W[e] = sum_{k holds e} w_k x_k[e] / sum_{k holds e} w_k; an entry no client holds keeps
-    ``prev``. ``items``: (compact tensors, slices, weight); ``keys``: the keys to average
-    (default all of ``prev``); a client lacking a key does not hold it. Float64, then the
-    tensor's own dtype (integers rounded)."""
-    keys = list(prev) if keys is None else list(keys)
-    sums = {k: torch.zeros(prev[k].shape, dtype=torch.float64) for k in keys}
-    den = {k: torch.zeros(prev[k].shape, dtype=torch.float64) for k in keys}
-    for compact, sl, w in items:
-        for k in keys:
-            if k not in compact:
-                continue
-            i0, i1 = sl.get(k, (None, None))
-            zero = torch.zeros(prev[k].shape, dtype=torch.float64)
-            sums[k] += embed(compact[k].detach().cpu().double() * float(w), i0, i1, zero)
-            den[k] += embed(torch.full(compact[k].shape, float(w), dtype=torch.float64), i0, i1, zero)
-    out = {}
-    for k in keys:
-        p = prev[k]
-        mean = torch.where(den[k] > 0, sums[k] / den[k].clamp_min(1e-300), p.detach().cpu().double())
-        out[k] = mean.to(p.dtype) if p.dtype.is_floating_point else mean.round().to(p.dtype)
-    return out
-
-
-# ----------------------------------------------------------------------------- who gets what
-
-def client_tier(setup, client_id: int, num_levels: int, method: str) -> int:
-    """The client's capability tier: its profile's (clients.profiles), else k mod L (DapperFL's
-    official rule, raysim.core.tiers.assign_levels round robin with equal shares)."""
-    profiles = setup.client_profiles
-    # round robin with equal shares deals client k level k mod L (no per-client table to build)
-    tier = int(profiles[client_id]["tier"]) if client_id < len(profiles) else client_id % num_levels
-    if not 0 <= tier < num_levels:
-        raise UserError(f"{method}: client {client_id} has tier {tier} but hp.{method}.rho_levels lists "
-                        f"{num_levels} levels (one ratio per clients.profiles level is needed)")
-    return tier
-
-
-# ----------------------------------------------------------------------------- footprint
-
-class Footprints:
-    """Exact parameters and forward MACs per sample (conv + Linear, raysim.models.count_flops's
-    convention) of a method's sub-models, from one model built once per process."""
-
-    def __init__(self, method):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.model = method.build_model()
-        self.groups = channel_groups(self.model)
-        self.dims = key_dims(self.model, self.groups)
-        self.positions = _positions(self.model, method.setup.image_shape)
-        self.shapes = {k: tuple(p.shape) for k, p in self.model.named_parameters()}
-        del self.model  # only the structure is kept
-        self._cache: dict = {}
-
-    def of(self, kept: dict[int, int]) -> dict:
-        """{"params", "macs"} of the sub-model keeping ``kept[g]`` channels of group g (others whole);
-        the counts depend only on how many channels each group keeps."""
-        key = tuple(sorted(kept.items()))
-        if key not in self._cache:
-            plan = {g: torch.arange(n) for g, n in kept.items()}
-            sl = slices(self.dims, plan)
-            sizes = {}
-            for k, shape in self.shapes.items():
-                i0, i1 = sl.get(k, (None, None))
-                s = list(shape)
-                if i0 is not None:
-                    s[0] = len(i0)
-                if i1 is not None:
-                    s[1] = len(i1)
-                sizes[k] = math.prod(s)
-            macs = sum(pos * sizes[f"{name}.weight"] for name, pos in self.positions.items())
-            self._cache[key] = {"params": float(sum(sizes.values())), "macs": float(macs)}
-        return self._cache[key]
-
-
-@torch.no_grad()
-def _positions(model: nn.Module, image_shape) -> dict[str, int]:
-    """Output positions per sample of every conv / Linear (MACs = positions x weight entries)."""
-    out, handles = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            def hook(mod, inp, o, name=name):
-                out[name] = o.shape[2:].numel() if isinstance(mod, nn.Conv2d) else o.numel() // o.shape[-1] // o.shape[0]
-            handles.append(m.register_forward_hook(hook))
-    was = model.training
-    model.eval()
-    try:
-        with probe():
-            model(torch.zeros((1,) + tuple(image_shape)))
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was)
-    return out
-
-
-# ----------------------------------------------------------------------------- the shared client step
-
-class SubModelMethod(Method):
-    """A method whose client trains a channel sub-model of the global model and uploads it.
-
-    Client: plan <- ``self.plan(ctx, groups)`` (the method's rule); train the sub-model (E epochs of
-    SGD on the cross-entropy, dropped entries held at 0); upload the sub-model's tensors, physically
-    sliced, and its plan (kept channel indices per group) in ``extras["plan"]``. Server: the
-    method's ``aggregate`` over every upload (KeepAll); by default residual recovery then the
-    n_k-weighted mean (:func:`recover`)."""
-    aggregator = KeepAll()
-
-    # ---- structure (one reference model per process: the same on the server and every host) ----
-    @property
-    def ref(self) -> Footprints:
-        if getattr(self, "_ref", None) is None:
-            self._ref = Footprints(self)
-        return self._ref
-
-    def plan(self, ctx: ClientContext, groups: list[Group]) -> dict:
-        raise NotImplementedError
-
-    def kept_counts(self, client_id: int) -> dict[int, int]:
-        """Channels the client's sub-model keeps per group (for its footprint)."""
-        raise NotImplementedError
-
-    def client_footprint(self, client_id: int, dense: dict) -> dict:
-        return self.ref.of(self.kept_counts(client_id))
-
-    # ---- client ------------------------------------------------------------------------------
-    def local_update(self, ctx: ClientContext) -> Upload:
-        model, ref = ctx.model, self.ref
-        plan = self.plan(ctx, ref.groups)
-        sl = slices(ref.dims, plan)
-        masks = train_masks(model, sl)
-        apply_masks(model, masks)
-        hooks = rescale_inputs(model, ref.groups, plan) if getattr(self.hp, "rescale", False) else []
-        try:
-            opt = ctx.optimizer()
-            for x, y in ctx.batches():
-                ctx.step(F.cross_entropy(model(x), y), opt)
-                apply_masks(model, masks)
-        finally:
-            for h in hooks:
-                h.remove()
-        stats = ctx.stats()
-        sent = extract({k: v.detach() for k, v in model.state_dict().items()}, sl)
-        foot = ref.of({g: len(i) for g, i in plan.items()})
-        metrics = {**stats, **self.client_metrics(ctx.client_id), "sub_params": foot["params"],
-                   "sub_macs": foot["macs"]}
-        return Upload(tensors=sent, weight=client_weight(ctx),
-                      extras={"plan": {str(g): i.cpu() for g, i in plan.items()}}, metrics=metrics)
-
-    def client_metrics(self, client_id: int) -> dict:
-        return {}
-
-    def upload_slices(self, upload) -> dict:
-        """The slices of an upload's plan (server side)."""
-        plan = {int(g): i for g, i in upload.extras.get("plan", {}).items()}
-        return slices(self.ref.dims, plan)
-
-    # ---- server ------------------------------------------------------------------------------
-    def aggregate(self, state: dict, uploads, round: int) -> dict:
-        if not uploads.each:
-            return state
-        prev = state["global"]
-        recovered = ((recover(up.tensors, self.upload_slices(up), prev), up.weight) for up in uploads.each.values())
-        return {**state, "global": weighted_mean(recovered, like=prev)}
