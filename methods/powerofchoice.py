@@ -38,8 +38,10 @@ from raysim.core.settings import setting
 
 @dataclass(frozen=True)
 class PowerOfChoiceHparams(Hparams):
-    d: int | None = setting(None, ge=1, source="ours: 2m, the smallest d of the paper's FMNIST runs (m = 3, d in {6, 9, 15}; the Flower baseline's default d = 6)")  # candidates per round, at least m; null: 2m
-    variant: str = setting("pow-d", one_of=("pow-d", "rpow-d"), source="paper: pow-d, the base strategy (cpow-d and rpow-d are its cheaper variants)")  # rpow-d: the clients' last training losses, no query
+    d: int | None = setting(None, ge=1, source="ours: 2m, the smallest d of the paper's FMNIST runs (m = 3, d in {6, 9, 15}; the Flower baseline's default d = 6)",
+                               doc="candidates per round, at least m; null: 2m")
+    variant: str = setting("pow-d", one_of=("pow-d", "rpow-d"), source="paper: pow-d, the base strategy (cpow-d and rpow-d are its cheaper variants)",
+                           doc="rpow-d: the clients' last training losses, no query")
 
 
 class PowerOfChoice(Method):
