@@ -16,12 +16,9 @@ line). The module is imported from ``sys.path``, then from the current directory
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
-import re
 import sys
-import traceback
 from pathlib import Path
 
 from raysim.core.errors import UserError, first_line
@@ -35,8 +32,6 @@ _METHODS: dict[str, str | type] = {}
 _own: dict[str, str] | None = None  # raysim's entry points, read once
 _others: dict[str, str] | None = None  # other distributions' entry points in the group, read once
 
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # a plugin's name: a config key and a folder name
-_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*")
 
 
 def register(name: str, target: str | type) -> None:
@@ -62,20 +57,33 @@ def _own_table() -> dict[str, str]:
 def _source_tree_table() -> dict[str, str] | None:
     import raysim
     path = Path(raysim.__file__).resolve().parent.parent / "pyproject.toml"
-    if not path.is_file():
-        return None
-    import tomllib
     try:
-        with open(path, "rb") as fh:
-            project = tomllib.load(fh).get("project", {})
-    except (OSError, tomllib.TOMLDecodeError):
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None  # an installed raysim: its metadata
+    if f'name = "{DISTRIBUTION}"' not in text.splitlines():
         return None
-    if project.get("name") != DISTRIBUTION:
-        return None
-    return dict(project.get("entry-points", {}).get(GROUP, {}))
+    return entry_point_table(text)
+
+
+def entry_point_table(pyproject: str) -> dict[str, str]:
+    """The ``[project.entry-points."raysim.methods"]`` table of raysim's pyproject.toml: its
+    ``name = "module:Class"`` lines up to the next table. Read by hand rather than with tomllib,
+    whose import costs every process (driver and actors) more than reading the file;
+    tests/app/test_plugins.py checks it reads what tomllib reads."""
+    out, inside = {}, False
+    for line in pyproject.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("["):
+            inside = line == f'[project.entry-points."{GROUP}"]'
+        elif inside and "=" in line:
+            name, _, value = line.partition("=")
+            out[name.strip()] = value.strip().strip('"')
+    return out
 
 
 def _installed_table() -> dict[str, str]:
+    import importlib.metadata  # here, not at start-up: a source checkout reads pyproject.toml
     try:
         eps = importlib.metadata.distribution(DISTRIBUTION).entry_points
     except importlib.metadata.PackageNotFoundError:
@@ -88,6 +96,7 @@ def _other_table() -> dict[str, str]:
     raysim's: scanning every distribution costs more than reading raysim's own)."""
     global _others
     if _others is None:
+        import importlib.metadata
         _others = {}
         for ep in importlib.metadata.entry_points(group=GROUP):
             dist = getattr(ep, "dist", None)
@@ -157,10 +166,10 @@ def name_of(spec: str) -> str:
 def _plugin(spec: str):
     from raysim.core.contract import Method
 
-    if not _SPEC.fullmatch(spec):
+    module_name, _, cls_name = spec.partition(":")
+    if not (all(part.isidentifier() for part in module_name.split(".")) and cls_name.isidentifier()):
         raise UserError(f"method {spec!r}: expected a name or module:Class (e.g. fednova:FedNova, "
                         "my_pkg.my_module:MyMethod)")
-    module_name, cls_name = spec.split(":")
     module = _import(module_name, spec)
     where = f"module {module_name} ({getattr(module, '__file__', None) or 'no file'})"
     if not hasattr(module, cls_name):
@@ -170,7 +179,7 @@ def _plugin(spec: str):
         raise UserError(f"method {spec!r}: {module_name}.{cls_name} is not a raysim method "
                         "(a subclass of raysim.core.contract.Method)")
     name = cls.name
-    if name == Method.name or not isinstance(name, str) or not _NAME.fullmatch(name):
+    if name == Method.name or not _good_name(name):
         raise UserError(f"method {spec!r}: {cls_name}.name = {name!r}; give the class a name of its own "
                         "(letters, digits, '_' or '-'), e.g. name = \"mymethod\": it keys hp.<name> and "
                         "names its run folder")
@@ -179,6 +188,13 @@ def _plugin(spec: str):
         raise UserError(f"method {spec!r}: its name {name!r} is a built-in method's; give {cls_name} a "
                         f"name of its own (name = \"...\")")
     return cls
+
+
+def _good_name(name) -> bool:
+    """A plugin's name keys config sections (``hp.<name>``) and names a folder: a letter, then
+    letters, digits, '_' or '-'."""
+    return (isinstance(name, str) and name[:1].isalpha() and name.isascii()
+            and all(c.isalnum() or c in "_-" for c in name))
 
 
 def _import(module_name: str, spec: str):
@@ -199,6 +215,7 @@ def _import(module_name: str, spec: str):
 
 
 def _why(err: BaseException) -> str:
+    import traceback
     if isinstance(err, SyntaxError):
         return f"SyntaxError: {err.msg} ({err.filename}:{err.lineno})"
     frames = traceback.extract_tb(err.__traceback__)

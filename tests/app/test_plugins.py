@@ -219,6 +219,14 @@ def test_every_method_module_is_reachable_by_its_entry_point():
         assert registry.get(name) is cls
 
 
+def test_the_entry_point_table_reads_as_tomllib_reads_it():
+    import tomllib
+
+    text = (ROOT / "pyproject.toml").read_text()
+    table = tomllib.loads(text)["project"]["entry-points"][registry.GROUP]
+    assert registry.entry_point_table(text) == table and len(table) >= 30
+
+
 def test_asking_for_a_method_imports_that_method_alone():
     code = ("import sys; from raysim.app.configs import load_checked; "
             "load_checked(raw={'method': 'fedprox', 'runtime': {'num_hosts': 1}}); "
@@ -283,7 +291,8 @@ def test_a_two_trial_tune_of_fednova_imports_it_only_from_what_the_driver_ships(
     driver = ("import sys; sys.path.insert(0, sys.argv[1]); from raysim.cli import main; "
               "sys.exit(main(sys.argv[2:]))")
     r = run_cli([sys.executable, "-P", "-c", driver, str(plugins), "tune", str(plugins / "fednova_tune.yaml"),
-                 "rounds=1", *SMALL, "eval.splits=[val]", "--out", str(work / "search")], cwd=work, env=plugin_env)
+                 "rounds=1", *SMALL, "eval.splits=[val]", "runtime.num_hosts=1", "max_concurrent=2",
+                 "--out", str(work / "search")], cwd=work, env=plugin_env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     trials = pd.read_parquet(work / "search" / "trials.parquet")
     assert len(trials) == 2 and set(trials.stop_reason) == {"completed"}, trials.to_string()
