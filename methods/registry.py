@@ -55,8 +55,8 @@ def _own_table() -> dict[str, str]:
 
 
 def _source_tree_table() -> dict[str, str] | None:
-    import raysim
-    path = Path(raysim.__file__).resolve().parent.parent / "pyproject.toml"
+    # methods/registry.py in a checkout (raysim.methods is its methods/ folder), beside pyproject.toml
+    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
