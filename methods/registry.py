@@ -185,7 +185,8 @@ def _plugin(spec: str):
                         "names its run folder")
     target = _lookup(name)
     if target is not None and target is not cls and target != f"{cls.__module__}:{cls.__qualname__}":
-        raise UserError(f"method {spec!r}: its name {name!r} is a built-in method's; give {cls_name} a "
+        whose = "a built-in method's" if name in _own_table() else "another method's"
+        raise UserError(f"method {spec!r}: its name {name!r} is {whose}; give {cls_name} a "
                         f"name of its own (name = \"...\")")
     return cls
 

@@ -239,8 +239,10 @@ def test_asking_for_a_method_imports_that_method_alone():
 
 # ----------------------------------------------------------------------------- the example, end to end
 
-# the example sized for a test: 16-pixel digits (the tuning tests' cache), 32 training images per domain
-SMALL = ["data.options.image_size=16", "data.options.n_render=1430", "data.partition.train_size=32"]
+# the example sized for a test: 16-pixel digits (the tuning tests' cache), 32 training images per
+# domain, no TensorBoard files
+SMALL = ["data.options.image_size=16", "data.options.n_render=1430", "data.partition.train_size=32",
+         "tracking.tensorboard=false"]
 RAY_START_TIMEOUT = "timed out during startup"  # Ray's fixed 30 s wait for its raylet, on a loaded machine
 
 
