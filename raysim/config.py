@@ -236,12 +236,13 @@ class ExperimentConfig:
     def method_names(self) -> list[str]:
         return list(self.methods) if self.methods else [self.method]
 
-    def for_method(self, name: str) -> "ExperimentConfig":
+    def for_method(self, name: str, key: str | None = None) -> "ExperimentConfig":
         """This config narrowed to one method of a comparison, with that method's ``per_method``
-        settings merged in."""
+        settings merged in. ``key``: the method's key in ``per_method`` when it is not ``name``
+        (a plugin ``module:Class`` is keyed by its class's name: raysim.methods.registry.name_of)."""
         raw = self.to_dict()
         raw.update(method=name, methods=None, per_method={})
-        merge(raw, self.per_method.get(name) or {})
+        merge(raw, self.per_method.get(name if key is None else key) or {})
         return build(ExperimentConfig, raw)
 
     def seed_list(self) -> list[int]:
@@ -349,24 +350,26 @@ def read_yaml(path: str | os.PathLike) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                raw: dict | None = None) -> ExperimentConfig:
-    """Read, override, type-check and validate an experiment config."""
+                raw: dict | None = None, method_key=None) -> ExperimentConfig:
+    """Read, override, type-check and validate an experiment config. ``method_key(name)``: a
+    method's key in ``per_method`` and ``hp`` (default the name itself; the application passes
+    raysim.methods.registry.name_of, which gives a plugin ``module:Class`` its class's name)."""
     base = read_yaml(path) if path is not None else dict(raw or {})
     base = apply_overrides(base, overrides or [])
     if "methods" in base and "method" not in base:
         base["method"] = None
     cfg = build(ExperimentConfig, base)
-    validate(cfg)
+    validate(cfg, method_key)
     if cfg.data.shards and "://" not in cfg.data.shards:  # a local path means the driver's cwd
         cfg.data.shards = os.path.abspath(os.path.expanduser(cfg.data.shards))
     return cfg
 
 
-def validate(cfg: ExperimentConfig) -> None:
+def validate(cfg: ExperimentConfig, method_key=None) -> None:
     """What the declarations cannot say: settings that exclude each other. Types and ranges were
     checked when the dataclasses were built; the methods' names and hyperparameters are checked
-    against the method registry by the application (``raysim.app.experiment.check_methods``),
-    checks needing the data or the cluster where those are."""
+    against the method registry by the application (``raysim.app.configs.check_methods``),
+    checks needing the data or the cluster where those are. ``method_key``: as in :func:`load_config`."""
     def need(ok: bool, msg: str):
         if not ok:
             raise UserError(msg)
@@ -375,6 +378,8 @@ def validate(cfg: ExperimentConfig) -> None:
     need(bool(names) and all(isinstance(n, str) for n in names),
          "config needs 'method: NAME' or 'methods: [NAME, ...]'")
     need(len(set(names)) == len(names), f"'methods' lists a method twice: {names}")
+    keys = {(n if method_key is None else method_key(n)): n for n in names}  # per_method key -> name
+    need(len(keys) == len(names), f"two of the methods {names} have the same name")
     need(cfg.name is None or (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.name) is not None),
          f"config key 'name' = {cfg.name!r}: expected letters, digits, '.', '_' or '-' (it names the run folder)")
     need(cfg.seeds is None or (bool(cfg.seeds) and all(isinstance(x, int) and not isinstance(x, bool)
@@ -382,12 +387,12 @@ def validate(cfg: ExperimentConfig) -> None:
          f"config key 'seeds' = {cfg.seeds!r}: expected a non-empty list of non-negative integers")
     need(cfg.seeds is None or len(set(cfg.seeds)) == len(cfg.seeds), f"'seeds' lists a seed twice: {cfg.seeds}")
     for n, extra in cfg.per_method.items():
-        need(n in names, f"config key 'per_method.{n}': {n!r} is not one of the run's methods {names}")
+        need(n in keys, f"config key 'per_method.{n}': {n!r} is not one of the run's methods {list(keys)}")
         need(isinstance(extra, dict), f"config key 'per_method.{n}' must be a mapping of settings")
         need(not {"method", "methods", "per_method"} & set(extra),
              f"config key 'per_method.{n}' cannot set method, methods or per_method")
         try:
-            cfg.for_method(n)  # type-checks the merged settings
+            cfg.for_method(keys[n], key=n)  # type-checks the merged settings
         except UserError as err:
             raise UserError(f"in per_method.{n}: {err}") from None
     for n, hp in cfg.hp.items():

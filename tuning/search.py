@@ -72,7 +72,7 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
          f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
     echo(f"  space: {sp.describe(spec.space)}")
-    with ray_session(address, base.runtime):
+    with ray_session(address, base.runtime, methods=[spec.method]):  # ships a plugin method to every trial
         bundles = trial_bundles(base.runtime, num_hosts_for(run_raw), spec.resources["trial_cpus"])
         check_fits(bundles, local)
         ctx = TrialContext(run_experiment=run_raw, search_dir=out, rounds=spec.rounds)

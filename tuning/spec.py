@@ -133,6 +133,7 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] | None
     cfg = _load_experiment(experiment)
     from raysim.methods import registry
     method_cls = registry.get(method)
+    key = registry.name_of(method)  # hp.<key>: a plugin module:Class's class name
 
     metric = tune.get("metric", "val_avg_best")
     mode = _metric_mode(metric, tune.get("mode"))
@@ -144,10 +145,10 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] | None
         raise UserError(f"tuning selects on validation accuracy, but eval.splits = {cfg.eval.splits}; "
                         "add 'val' (e.g. eval.splits=[val,test])")
 
-    space = sp.resolve_space(method_cls, method, tune.get("space"))
+    space = sp.resolve_space(method_cls, key, tune.get("space"))
     _check_space_against(space, experiment)
 
-    name = tune.get("name") or (Path(path).stem if path is not None else method)
+    name = tune.get("name") or (Path(path).stem if path is not None else key)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise UserError(f"tune config key 'name' = {name!r}: expected letters, digits, '.', '_' or '-'")
 
@@ -354,6 +355,8 @@ def _initial_points(value, spec: TuneSpec, cfg: ExperimentConfig, method_cls) ->
     may name some keys and takes the experiment's values for the rest."""
     if value is None:
         return []
+    from raysim.methods import registry
+    method_key = registry.name_of(spec.method)  # hp.<method_key>: a plugin's class name
     if not isinstance(value, list):
         value = [value]
     points = []
@@ -363,7 +366,7 @@ def _initial_points(value, spec: TuneSpec, cfg: ExperimentConfig, method_cls) ->
             p = {}
         if not isinstance(p, dict):
             raise UserError(f"{where} = {p!r}: expected 'defaults' or a mapping of searched keys to values")
-        given = {sp.full_key(str(k), spec.method): sp.plain(v) for k, v in p.items()}
+        given = {sp.full_key(str(k), method_key): sp.plain(v) for k, v in p.items()}
         extra = sorted(set(given) - set(spec.space))
         if extra:
             raise UserError(f"{where}: '{extra[0]}' is not searched; searched keys: {', '.join(spec.space)}")

@@ -149,7 +149,9 @@ def method_markdown(name: str) -> str:
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cls = registry.get(name)  # UserError naming the available methods
-    out = [f"# {name}", "", f"**Paper:** {cls.paper or '–'}", ""]
+    key = registry.name_of(name)  # a plugin module:Class: its class's name keys hp.<key>
+    title = name if key == name else f"{key} (`{name}`, a method of your own)"
+    out = [f"# {title}", "", f"**Paper:** {cls.paper or '–'}", ""]
     desc = description(cls)
     if desc:
         out += [desc, ""]
@@ -159,7 +161,7 @@ def method_markdown(name: str) -> str:
     out += ["**Client cohorts** (`runtime.cohort_size`): " + ("yes: its step is a per-batch loss (`local_loss`)"
             if cohort_ready(cls) else "no: its clients train one by one"), ""]
     rows = hparam_rows(cls)
-    out += [f"## Hyperparameters (`hp.{name}.<name>`)", ""]
+    out += [f"## Hyperparameters (`hp.{key}.<name>`)", ""]
     if rows:
         out += [markdown_table(["name", "type", "default", "default from", "allowed", "search space", "note"], rows), ""]
     else:

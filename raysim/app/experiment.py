@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from raysim.app.configs import check_methods, load_checked
+from raysim.app.configs import check_methods, load_checked, method_keys
 from raysim.config import ExperimentConfig, dump_yaml
 from raysim.core.errors import Interrupted, RunFailed, UserError
 from raysim.engine.metrics import MetricsWriter
@@ -28,7 +28,7 @@ __all__ = ["run", "run_method", "federation", "resume_config", "FederationResult
 
 def default_run_dir(cfg: ExperimentConfig) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = cfg.name or "-".join(cfg.method_names())
+    name = cfg.name or "-".join(method_keys(cfg))
     return os.path.join("runs", f"{name}-{stamp}")
 
 
@@ -68,7 +68,7 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
     if not resume:
         with writing(os.path.join(run_dir, "config.yaml")):
             dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
-    names = cfg.method_names()
+    names = method_keys(cfg)
     jobs = [(one, sub) for one, sub in plan(cfg, run_dir) if not (resume and finished(sub))]
     # on a terminal, one live table for every federation (rows updated in place, the final table
     # left on screen); otherwise plain progress lines
@@ -77,7 +77,7 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
         print(f"raysim: every federation in {run_dir} has finished; its summary is rendered again", file=sys.stderr)
     results = []
     if jobs:  # a finished run's rerun only renders its summary again: no Ray
-        with ray_session(address or cfg.runtime.address, cfg.runtime):
+        with ray_session(address or cfg.runtime.address, cfg.runtime, methods=cfg.method_names()):
             quiet_worker_death_notices()
             try:
                 if board is not None:
@@ -108,10 +108,11 @@ def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True,
     ``backend=raysim.engine.backend.InProcess()`` runs it without Ray actors (debugging).
     ``top``: the folder the command was given, which its resume hints name (default ``run_dir``)."""
     holdout = (cfg.data.partition or {}).get("holdout")
-    label = cfg.method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
+    method = method_keys(cfg)[0]
+    label = method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
     detail = ", ".join(([f"holdout {holdout}"] if holdout else []) + ([f"seed {cfg.seed}"] if show_seed else []))
     callbacks = [MetricsWriter(run_dir),
-                 ProgressCallback(cfg.rounds, label, progress, board=board, method=cfg.method, detail=detail),
+                 ProgressCallback(cfg.rounds, label, progress, board=board, method=method, detail=detail),
                  *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))

@@ -171,9 +171,9 @@ def _exchanges(dirs: dict[str, str]) -> str:
     """Which methods of the run send data-derived statistics between clients, and what."""
     from raysim.methods import registry
     lines = []
-    for name in dirs:
+    for name, folder in dirs.items():
         try:
-            what = registry.get(name).exchanges
+            what = registry.get(rundir.method_of(folder)).exchanges  # the folder's method (a plugin's spec)
         except UserError:
             continue
         if what:

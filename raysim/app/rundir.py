@@ -204,8 +204,9 @@ def holds_run_of(cfg, run_dir: str) -> bool:
 def _as_run(cfg) -> dict:
     """A config as its run folder records it: a one-method run's folder is that federation's, whose
     config.yaml is the method's own (``for_method``: ``method: x`` for ``methods: [x]``)."""
+    from raysim.app.configs import method_config
     names = cfg.method_names()
-    return (cfg.for_method(names[0]) if len(names) == 1 else cfg).to_dict()
+    return (method_config(cfg, names[0]) if len(names) == 1 else cfg).to_dict()
 
 
 def config_differences(there: dict, here: dict, skip=("runtime",)) -> list[tuple[str, object, object]]:
@@ -255,16 +256,19 @@ def with_holdout(cfg, holdout: str):
 def plan(cfg, run_dir: str) -> list[tuple[object, str]]:
     """(config, folder) of every federation of ``cfg``: method x seed x held-out domain.
 
-    One method: the run folder is the federation's; several: ``<method>/``; with ``seeds``:
-    ``seed-<s>/`` below; leave-one-domain-out: ``holdout-<domain>/`` below that."""
+    One method: the run folder is the federation's; several: ``<method>/`` (a plugin
+    ``module:Class``: its class's name); with ``seeds``: ``seed-<s>/`` below; leave-one-domain-out:
+    ``holdout-<domain>/`` below that."""
+    from raysim.app.configs import method_config
+    from raysim.methods import registry
     names, seeds = cfg.method_names(), cfg.seed_list()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
     out = []
     for name in names:
         for seed in seeds:
             for holdout in holdouts:
-                sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
-                one = cfg.for_method(name)
+                sub = run_dir if len(names) == 1 else os.path.join(run_dir, registry.name_of(name))
+                one = method_config(cfg, name)
                 if cfg.seeds:
                     one = one.for_seed(seed)
                     sub = os.path.join(sub, f"seed-{seed}")
@@ -283,17 +287,33 @@ CONFIG = "config.yaml"
 
 def method_dirs(run_dir: str) -> dict[str, str]:
     """{method: its folder} of a run folder: itself for a one-method run, its ``<method>/``
-    folders for a comparison, in the order its config lists them (the first is the reference)."""
+    folders for a comparison, in the order its config lists them (the first is the reference).
+    A method is shown by its key (a plugin ``module:Class`` by its class's name, as its folder)."""
     if _is_run(run_dir):
-        return {method_of(run_dir): run_dir}
+        return {method_key(method_of(run_dir)): run_dir}
     found = {}
     if os.path.isdir(run_dir):
         for name in sorted(os.listdir(run_dir)):
             if _is_run(os.path.join(run_dir, name)):
                 found[name] = os.path.join(run_dir, name)
     listed = config_dict(run_dir).get("methods") or []
-    order = [m for m in listed if m in found] + [m for m in found if m not in listed]
+    listed = [m for m in listed if isinstance(m, str)]
+    # a folder is its method's key; its config.yaml names the method as the run's list does
+    rank = {m: i for i, m in enumerate(listed)}
+    ranked = {f: rank.get(method_of(found[f]), rank.get(f)) for f in found}
+    order = sorted((f for f in found if ranked[f] is not None), key=lambda f: ranked[f])
+    order += [f for f in found if ranked[f] is None]
     return {m: found[m] for m in order}
+
+
+def method_key(name: str) -> str:
+    """How a run shows a method: its name, or a plugin ``module:Class``'s class name (the spec
+    itself where the module does not import here)."""
+    from raysim.methods import registry
+    try:
+        return registry.name_of(name)
+    except UserError:
+        return name
 
 
 def seed_dirs(method_dir: str) -> dict[int | None, str]:

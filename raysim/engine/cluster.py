@@ -26,25 +26,46 @@ LOOPBACK = "127.0.0.1"
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, runtime=None):
+def ray_session(address: str | None, runtime=None, methods=()):
+    """Ray for the duration: joined at ``address`` (or RAY_ADDRESS), else started locally; left
+    as it is if this process is already connected.
+
+    ``methods``: the run's method names. A method plugin's module (``module:Class``) reaches every
+    worker, on every node, through the job's ``runtime_env`` ``py_modules``
+    (:func:`job_runtime_env`): every actor and task of the job, Tune's trials and the federations'
+    actors inside them, imports it from there. raysim's own methods add nothing (the same
+    ``ray.init`` as ever). A process connected already (a caller's own ``ray.init``) keeps its
+    runtime_env: pass it :func:`job_runtime_env` there."""
     import ray
 
     if ray.is_initialized():
         yield
         return
+    runtime_env = job_runtime_env(methods)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        join_cluster(address)
+        join_cluster(address, runtime_env=runtime_env)
     else:
-        start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0)
+        start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0,
+                        runtime_env=runtime_env)
     try:
         yield
     finally:
         ray.shutdown()
 
 
+def job_runtime_env(methods=()) -> dict | None:
+    """The job's ``runtime_env`` for these methods: ``{"py_modules": [...]}`` shipping each plugin's
+    module file or package folder from the driver (Ray uploads them once, by content hash, and puts
+    them on every worker's ``sys.path``); None when no plugin is named."""
+    from raysim.methods import registry
+
+    sources = registry.plugin_sources(methods)
+    return {"py_modules": sources} if sources else None
+
+
 def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
-                    log_to_driver: bool = True) -> None:
+                    log_to_driver: bool = True, runtime_env: dict | None = None) -> None:
     """Start this process's own Ray instance, reachable from this machine only.
 
     * Loopback only. Ray 2.60 turns a node address of 127.0.0.1 into the machine's network
@@ -71,21 +92,23 @@ def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int 
     try:
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, _node_ip_address=LOOPBACK, include_dashboard=False,
                  dashboard_host=LOOPBACK, _system_config={"worker_niceness": int(niceness)},
-                 logging_level=logging.ERROR, log_to_driver=log_to_driver, configure_logging=True)
+                 logging_level=logging.ERROR, log_to_driver=log_to_driver, configure_logging=True,
+                 **({"runtime_env": runtime_env} if runtime_env else {}))
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
-def join_cluster(address: str) -> None:
+def join_cluster(address: str, runtime_env: dict | None = None) -> None:
     """Connect to the Ray cluster at ``address`` with token authentication on, unless
-    ``RAY_AUTH_MODE`` is set (then it is the cluster's own setting, e.g. ``disabled``)."""
+    ``RAY_AUTH_MODE`` is set (then it is the cluster's own setting, e.g. ``disabled``);
+    ``runtime_env``: the job's (:func:`job_runtime_env`)."""
     import ray
 
     if "RAY_AUTH_MODE" not in os.environ:
         _token_auth()
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
-                 configure_logging=True)
+                 configure_logging=True, **({"runtime_env": runtime_env} if runtime_env else {}))
     except ray.exceptions.AuthenticationError as err:
         raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).split('. ')[0]}; raysim joins "
                         "with token authentication: give the cluster's token in RAY_AUTH_TOKEN_PATH, "

@@ -142,8 +142,9 @@ class Federation:
 
     @cached_property
     def method(self):
-        cls = registry.get(self.cfg.method)
-        return cls(cls.hparams_from(self.cfg.hp.get(self.cfg.method), prefix=f"hp.{self.cfg.method}"), self.setup)
+        cls = registry.get(self.cfg.method)  # a plugin module:Class is imported here, on every process
+        key = registry.name_of(self.cfg.method)  # hp.<key>: a plugin's class name
+        return cls(cls.hparams_from(self.cfg.hp.get(key), prefix=f"hp.{key}"), self.setup)
 
     def is_unseen(self, cid: int) -> bool:
         """A held-out domain's client: it never trains, it is only evaluated."""

@@ -9,9 +9,11 @@
 * with a model that has dropout (cnn6), the metrics are the same for every layout too: its masks
   come from each client's keyed generator (raysim.models.dropout), not from a host's global one.
 
-A method added later is covered by being registered."""
+A method added later is covered by being an entry point (pyproject.toml); a method of a user's
+own file (a plugin, ``module:Class``) by being listed in PLUGINS: the example FedNova."""
 import io
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,9 +34,17 @@ class KeepHosts(Callback):
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PLUGINS = ["fednova:FedNova"]  # methods of users' own files (examples/), resolved by module:Class
 
-@pytest.mark.parametrize("method", registry.names())
-def test_method_conforms(method, tmp_path, ray_session):
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+
+
+@pytest.mark.parametrize("method", registry.names() + PLUGINS)
+def test_method_conforms(method, tmp_path, ray_session, examples_on_path):
     # the same metrics whatever the host layout
     layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=2"],
                ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
