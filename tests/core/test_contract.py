@@ -247,6 +247,7 @@ def test_iterations_per_epoch_cycle_through_passes_and_stop_at_the_budget():
     class Counted(FixedBatches):
         def batches(self, *a, **k):
             drawn.append(0)
+            assert len(drawn) < 10, "passes cycling without end"
             for b in self.list:
                 drawn[-1] += 1
                 yield b
@@ -260,8 +261,11 @@ def test_iterations_per_epoch_cycle_through_passes_and_stop_at_the_budget():
             seen.append(int(xb[0, 0]))
             ctx.step(F.cross_entropy(ctx.model(xb), yb), opt)
         assert ctx.steps == steps and drawn == passes and seen == [1, 2, 3, 1, 2, 3, 1, 2][:steps]
+    drawn.clear()
     empty = context([], epochs=1)
-    assert list(empty.batches(3, iters_per_epoch=4)) == [] and list(empty.batches(0, iters_per_epoch=4)) == []
+    empty.data = ClientData(Counted([]))
+    assert list(empty.batches(3, iters_per_epoch=4)) == [] and drawn == [0]
+    assert list(empty.batches(0, iters_per_epoch=4)) == [] and drawn == [0]  # no budget: not even a pass
 
 
 def test_an_unrecorded_step_moves_its_parameters_and_counts_nowhere():
