@@ -226,12 +226,12 @@ class CCST(Method):
 
     # ---- the client ----------------------------------------------------------------------------
     def local_update(self, ctx: ClientContext) -> Upload:
-        mean, std = pixel_normalisation(ctx)
+        mean, std = ctx.data.train.normalisation.tensors(ctx.device)
         extras = {}
         if not ctx.state.get("uploaded"):
             sums = StyleSums()
             with torch.no_grad():
-                for x, _ in ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device):
+                for x, _ in ctx.batches(1, max_steps=None):  # one pass, no step
                     sums.add(self.encode((x * std + mean).clamp(0, 1)))
             extras["style"] = sums.style()
             ctx.state["uploaded"] = True
@@ -270,9 +270,3 @@ class CCST(Method):
         order = torch.randperm(len(xs), generator=g).to(x.device)
         return xs[order], ys[order]
 
-
-def pixel_normalisation(ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (mean, std) the client's loader normalised its [0, 1] images with, 1 x C x 1 x 1."""
-    split = getattr(ctx.data.train, "split", ctx.data.train)
-    return tuple(torch.tensor(v, dtype=torch.float32, device=ctx.device).view(1, -1, 1, 1)
-                 for v in (split.mean, split.std))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.core.contract import ClientContext, Method, SpareModels, Upload, sgd_step
+from raysim.core.contract import ClientContext, Method, SpareModels, Upload
 from raysim.core.hparams import Hparams, Space
 from raysim.core.settings import setting
 from raysim.core.tensors import load_tensors
@@ -64,7 +64,7 @@ class Ditto(Method):
         for x, y in ctx.batches():
             ctx.step(F.cross_entropy(model(x), y), opt_w)  # the global solver
             loss_v = personal_objective(F.cross_entropy(v(x), y), dict(v.named_parameters()), anchor, lam)
-            sgd_step(loss_v, opt_v, clip=v.parameters(), max_norm=ctx.train.grad_clip)  # the personal solver
+            ctx.step(loss_v, opt_v, clip=v.parameters(), record=False)  # the personal solver
             personal_sum = personal_sum + loss_v.detach().double()
         stats = ctx.stats()
         stats["personal_loss"] = float(personal_sum) / max(stats["steps"], 1)

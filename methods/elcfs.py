@@ -136,13 +136,6 @@ def inner_step(params: dict[str, torch.Tensor], grads, beta: float, clip: float)
     return {n: p - beta * g.detach().clamp(-clip, clip) for (n, p), g in zip(params.items(), grads)}
 
 
-def pixel_normalisation(ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (mean, std) the client's loader normalised its [0, 1] images with, 1 x C x 1 x 1."""
-    split = getattr(ctx.data.train, "split", ctx.data.train)
-    return tuple(torch.tensor(v, dtype=torch.float32, device=ctx.device).view(1, -1, 1, 1)
-                 for v in (split.mean, split.std))
-
-
 def episodic_loss(model, x, y, x_out, beta: float, clip: float, gamma: float = 0.0, tau: float = 0.1):
     """L_in + L_out (+ gamma L_boundary): L_in = CE(f_theta(x), y), theta' = theta - beta clip(grad L_in)
     (first order), L_out = CE(f_theta'(x'), y); L_boundary on the representations of x and x' under theta'."""
@@ -181,7 +174,7 @@ class ELCFS(Method):
 
     def local_update(self, ctx: ClientContext) -> Upload:
         model, hp = ctx.model, self.hp
-        mean, std = pixel_normalisation(ctx)
+        mean, std = ctx.data.train.normalisation.tensors(ctx.device)
         h, w = model.input_shape[-2:]
         b = half_width(h, w, hp.r)
         others = [v for k, v in sorted(ctx.payload["bank"].items()) if k != ctx.client_id]
@@ -204,7 +197,7 @@ class ELCFS(Method):
     def own_spectra(self, ctx, mean, std, b) -> torch.Tensor:
         """The windows of this client's bank share of images (a keyed random subset)."""
         chunks = [amplitude_window((x * std + mean).clamp(0, 1), b)
-                  for x, _ in ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device)]
+                  for x, _ in ctx.batches(1, max_steps=None)]  # one pass, no step
         amps = torch.cat(chunks).cpu()
         n = max(1, round(self.hp.bank_fraction * len(amps)))
         return amps[torch.randperm(len(amps), generator=ctx.generator)[:n]].clone() if n < len(amps) else amps

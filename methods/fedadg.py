@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raysim.core.contract import ClientContext, Method, Upload, sgd_step
+from raysim.core.contract import ClientContext, Method, Upload
 from raysim.core.hparams import Hparams, Space
 from raysim.models.base import Net
 from raysim.core.seeding import SERVER, generator_for
@@ -193,7 +193,6 @@ class FedADG(Method):
         classes = model.num_classes
         fc = list(model.features.parameters()) + list(model.head.parameters())
         gen, disc = list(model.gen.parameters()), list(model.disc.parameters())
-        clip = ctx.train.grad_clip
         opt_fc = ctx.optimizer(fc)
         # warm-up: label-smoothed CE on F and C
         for x, y in ctx.batches(hp.ce_epochs, max_steps=None):
@@ -220,13 +219,13 @@ class FedADG(Method):
                     f = model.features(x)
                     f_d = f.detach()
                 loss_d = discriminator_loss(model.disc(ys, model.gen(ys, u).detach()), model.disc(ys, f_d))
-                sgd_step(loss_d, opt_d, clip=disc, max_norm=clip)
+                ctx.step(loss_d, opt_d, clip=disc, record=False)
                 # (b) the feature extractor and the classifier
                 ce = smoothed_ce(model.head(f), y, hp.label_smoothing, hp.smoothing)
                 ctx.step(feature_loss(ce, model.disc(ys, f), hp.alpha), opt_fc, clip=fc)
                 # (c) the generator
                 loss_g = generator_loss(model.disc(ys, model.gen(ys, u)))
-                sgd_step(loss_g, opt_g, clip=gen, max_norm=clip)
+                ctx.step(loss_g, opt_g, clip=gen, record=False)
                 d_sum, g_sum = d_sum + loss_d.detach().double(), g_sum + loss_g.detach().double()
             if use_best:
                 r = evaluate(model, ctx.data.val, max(ctx.train.batch_size, 256), ctx.device)

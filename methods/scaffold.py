@@ -142,8 +142,7 @@ def full_gradient(ctx: ClientContext) -> dict:
     """Option I: grad f_i(x), the mean over one pass of the batch gradients at the received x."""
     model = ctx.model
     sums, batches = {}, 0
-    model.train()
-    for xb, yb in ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device):
+    for xb, yb in ctx.batches(1, max_steps=None):  # one pass, no step
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(xb), yb).backward()
         for k, p in model.named_parameters():

@@ -78,13 +78,18 @@ def _config(cls, value):
 # ----------------------------------------------------------------------------- a client's data
 
 class InMemorySplit:
-    """Images and labels held in memory, served as a host serves a client's split: training
-    batches in an order drawn from the client's generator (the last batch short unless
-    ``drop_last``), evaluation batches in order. ``passes`` records each training pass asked for
-    (its ``drop_last``), so a test can check how many epochs a method drew."""
+    """Images and labels held in memory, served as a host serves a client's split
+    (:class:`~raysim.core.contract.ClientSplit`): training batches in an order drawn from the
+    client's generator (the last batch short unless ``drop_last``), label-free batches likewise
+    (a final batch of one image left out), evaluation batches in order. ``normalisation`` is the
+    (mean, std) the images count as normalised with (default: none, mean 0 and std 1 per
+    channel). ``passes`` records each training pass asked for (its ``drop_last``), so a test can
+    check how many epochs a method drew."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, normalisation: tuple | None = None):
         self.x, self.y = x, y
+        channels = x.shape[1] if x.dim() > 1 else 1
+        self.normalisation = ((0.0,) * channels, (1.0,) * channels) if normalisation is None else normalisation
         self.passes: list[bool] = []
 
     def __len__(self) -> int:
@@ -93,6 +98,10 @@ class InMemorySplit:
     @property
     def labels(self):
         return self.y.numpy()
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        return tuple(int(c) for c in torch.unique(self.y))
 
     def batches(self, batch_size: int, generator: torch.Generator | None = None, device=None,
                 drop_last: bool = False):
@@ -103,6 +112,14 @@ class InMemorySplit:
             idx = order[start:start + batch_size]
             yield _on(self.x[idx], device), _on(self.y[idx], device)
 
+    def unlabeled_batches(self, batch_size: int, generator: torch.Generator | None = None, device=None):
+        order = torch.randperm(len(self.y), generator=generator)
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            if len(idx) < 2 and len(order) > 1:
+                continue
+            yield _on(self.x[idx], device)
+
     def eval_batches(self, batch_size: int, device=None):
         for start in range(0, len(self.y), batch_size):
             yield _on(self.x[start:start + batch_size], device), _on(self.y[start:start + batch_size], device)
@@ -110,12 +127,31 @@ class InMemorySplit:
 
 class FixedBatches:
     """Training data served as the given batches, in that order, every pass (no shuffling): the
-    data of client steps computed by hand."""
+    data of client steps computed by hand. Label-free and evaluation passes serve them too."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, normalisation: tuple | None = None):
         self.list = list(batches)
+        channels = self.list[0][0].shape[1] if self.list and self.list[0][0].dim() > 1 else 1
+        self.normalisation = ((0.0,) * channels, (1.0,) * channels) if normalisation is None else normalisation
+
+    def __len__(self) -> int:
+        return sum(len(y) for _, y in self.list)
+
+    @property
+    def labels(self):
+        return torch.cat([y for _, y in self.list]).numpy() if self.list else torch.zeros(0, dtype=torch.int64).numpy()
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        return tuple(int(c) for c in sorted(set(self.labels.tolist())))
 
     def batches(self, batch_size: int, generator=None, device=None, drop_last: bool = False):
+        yield from self.list
+
+    def unlabeled_batches(self, batch_size: int, generator=None, device=None):
+        yield from (x for x, _ in self.list)
+
+    def eval_batches(self, batch_size: int, device=None):
         yield from self.list
 
 
@@ -123,28 +159,32 @@ def _on(t: torch.Tensor, device) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
-def random_images(n: int, seed: int, image_shape=(1, 8, 8), num_classes: int = 3) -> InMemorySplit:
+def random_images(n: int, seed: int, image_shape=(1, 8, 8), num_classes: int = 3,
+                  normalisation: tuple | None = None) -> InMemorySplit:
     """``n`` standard-normal images and uniform labels, from a generator seeded with ``seed``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, *image_shape, generator=g)
-    return InMemorySplit(x, torch.randint(0, num_classes, (n,), generator=g))
+    return InMemorySplit(x, torch.randint(0, num_classes, (n,), generator=g), normalisation)
 
 
 def random_client_data(num_train: int = 8, seed: int = 0, image_shape=(1, 8, 8), num_classes: int = 3,
-                       num_val: int = 0, num_test: int = 0) -> ClientData:
+                       num_val: int = 0, num_test: int = 0, normalisation: tuple | None = None) -> ClientData:
     """A client's data of random images (:func:`random_images`): training from ``seed``,
     validation from ``seed + 100``, test from ``seed + 200`` (None where the size is 0); the same
-    seed gives the same data."""
+    seed gives the same data. ``normalisation``: the (mean, std) they count as normalised with."""
     def split(n, s):
-        return random_images(n, s, image_shape, num_classes) if n else None
+        return random_images(n, s, image_shape, num_classes, normalisation) if n else None
     return ClientData(train=split(num_train, seed), val=split(num_val, seed + 100), test=split(num_test, seed + 200),
                       num_train=num_train)
 
 
-def client_data(x: torch.Tensor, y: torch.Tensor, val: tuple | None = None, test: tuple | None = None) -> ClientData:
-    """A client's data of the given images and labels (``val``, ``test``: ``(x, y)`` pairs)."""
-    return ClientData(train=InMemorySplit(x, y), val=None if val is None else InMemorySplit(*val),
-                      test=None if test is None else InMemorySplit(*test), num_train=len(y))
+def client_data(x: torch.Tensor, y: torch.Tensor, val: tuple | None = None, test: tuple | None = None,
+                normalisation: tuple | None = None) -> ClientData:
+    """A client's data of the given images and labels (``val``, ``test``: ``(x, y)`` pairs),
+    normalised with ``normalisation`` (mean, std; default none)."""
+    return ClientData(train=InMemorySplit(x, y, normalisation),
+                      val=None if val is None else InMemorySplit(*val, normalisation),
+                      test=None if test is None else InMemorySplit(*test, normalisation), num_train=len(y))
 
 
 def fixed_batches(*batches: tuple[torch.Tensor, torch.Tensor]) -> ClientData:

@@ -203,7 +203,7 @@ class CSAC(Method):
             _reinit_head(model, ctx.generator, ctx.device)
         model.train()
         opt = ctx.optimizer()
-        for x, y in _stream(ctx, hp.stage1_epochs, hp.stage1_iters_per_epoch, None, drop_last=False):
+        for x, y in ctx.batches(hp.stage1_epochs, iters_per_epoch=hp.stage1_iters_per_epoch, max_steps=None):
             ctx.step(F.cross_entropy(model(x), y, label_smoothing=hp.use_label_smoothing), opt)
         return {**ctx.stats(), "stage": 1}
 
@@ -235,7 +235,7 @@ class CSAC(Method):
         n_alpha = 0
         drop_last = ctx.data.num_train >= ctx.train.batch_size
         try:
-            for x, y in _stream(ctx, ctx.train.epochs, hp.iters_per_epoch, ctx.train.max_steps, drop_last):
+            for x, y in ctx.batches(iters_per_epoch=hp.iters_per_epoch, drop_last=drop_last):
                 logits = model(x)
                 ce = F.cross_entropy(logits, y)  # Eq. 10
                 loss = ce if hp.retrain_loss else 0.0 * ce
@@ -292,30 +292,6 @@ class CSAC(Method):
 
 
 # ============================================================================= helpers
-
-def _stream(ctx: ClientContext, epochs: int, iters_per_epoch: int, max_steps: int | None, drop_last: bool):
-    """Training batches: ``epochs`` passes over the data, or ``epochs * iters_per_epoch``
-    iterations cycling through freshly shuffled passes; at most ``max_steps``."""
-    total = epochs * iters_per_epoch if iters_per_epoch else None
-    if max_steps:
-        total = max_steps if total is None else min(total, max_steps)
-    bs, n = ctx.train.batch_size, 0
-    passes = 0
-    while True:
-        if total is None and passes >= epochs:
-            return
-        got = False
-        for batch in ctx.data.batches(bs, ctx.generator, ctx.device, drop_last=drop_last):
-            got = True
-            if total is not None and n >= total:
-                return
-            yield batch
-            n += 1
-        passes += 1
-        ctx.check_finite()  # once per pass: the running loss never stops a step
-        if not got or (total is not None and n >= total):
-            return
-
 
 def _seeded(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2 ** 62, (1,), generator=generator))

@@ -76,7 +76,6 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -282,7 +281,7 @@ class DapperFL(Method):
 
     def num_labels(self, ctx: ClientContext) -> int:
         """|K_i|: the labels present in the client's training data."""
-        return max(1, int(np.unique(np.asarray(ctx.data.train.labels)).size))
+        return max(1, len(ctx.data.train.classes))
 
     def alpha(self, t: int) -> float:
         return fusion_factor(t, self.hp.alpha0, self.hp.epsilon, self.hp.alpha_min)
@@ -351,7 +350,7 @@ class DapperFL(Method):
         model = ctx.model
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.load_state_dict(recover(trained, masks, received, self.hp.use_recovery))
-        stats = collect_bn_stats(model, ctx.data.batches(ctx.train.batch_size, ctx.generator, ctx.device))
+        stats = collect_bn_stats(model, ctx.batches(1, max_steps=None))  # one pass, no step
         trained.update(stats)
         model.load_state_dict(trained)
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.core.aggregation import KeepAll, weighted_mean
-from raysim.core.contract import ClientContext, Method, Upload, sgd_step
+from raysim.core.contract import ClientContext, Method, Upload
 from raysim.core.errors import UserError
 from raysim.core.hparams import Hparams, Space
 from raysim.methods.fdse.aggregation import consensus_update, similarity_attention
@@ -234,12 +234,12 @@ class FDSE(Method):
             p.requires_grad_(True)  # line 1: every other trainable parameter frozen
         reg = ConsistencyRegularizer([b.bn_dfe for b in blocks], hp.gamma, hp.beta, hp.con_mode)
         handles = reg.attach(in_eval_mode=True)
-        opt = torch.optim.SGD(dse_params, lr=hp.adapt_lr or client.lr)
+        opt = client.optimizer(dse_params, lr=hp.adapt_lr or client.lr)  # plain SGD
         try:
             for _ in range(hp.adapt_epochs):  # lines 2-9
                 for x in client.unlabeled_batches(hp.adapt_batch):
                     model(x)
-                    sgd_step(reg.loss(), opt)
+                    client.step(reg.loss(), opt)
         finally:
             for h in handles:
                 h.remove()

@@ -47,8 +47,9 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,18 +131,131 @@ def cross_entropy(forward, params, batch, tensors) -> torch.Tensor:
     return F.cross_entropy(forward(x), y)
 
 
-@dataclass
-class ClientData:
-    """One client's partition, already resident on its host."""
-    train: Any  # raysim.data.Split restricted by index (see runtime.clientdata)
-    val: Any
-    test: Any
-    num_train: int
+class Normalisation(NamedTuple):
+    """The per-channel (mean, std) a split's images were normalised with: a batch holds
+    ``(pixels - mean) / std`` of [0, 1] pixels."""
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
-    def batches(self, batch_size: int, generator: torch.Generator, device: torch.device,
+    def tensors(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) as float32 tensors of shape 1 x C x 1 x 1 on ``device``, to undo or redo the
+        normalisation of a batch (``x * std + mean`` gives its [0, 1] pixels)."""
+        return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1) for v in self)
+
+
+class ClientSplit(Protocol):
+    """One split of a client's data, resident on its host: what the engine's views
+    (``raysim.engine.clientdata.SplitView``) and ``raysim.testing``'s in-memory splits implement,
+    and all a method may read of a split (through :class:`DataSplit`).
+
+    Training passes draw their order (and any augmentation) from the generator they are given, so
+    the same generator gives the same batches on any host."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The split's labels (int64), in the split's order."""
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The classes present in the split, ascending."""
+
+    @property
+    def normalisation(self) -> tuple[Sequence[float], Sequence[float]]:
+        """The (mean, std) its images were normalised with."""
+
+    def batches(self, batch_size: int, generator: torch.Generator, device,
                 drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch of shuffled training batches; order and augmentation come from ``generator``."""
-        return self.train.batches(batch_size, generator=generator, device=device, drop_last=drop_last)
+        """One shuffled pass of (images, labels), with train-time augmentation; the last batch is
+        short unless ``drop_last``."""
+
+    def unlabeled_batches(self, batch_size: int, generator: torch.Generator, device) -> Iterator[torch.Tensor]:
+        """One shuffled pass of images without their labels and without augmentation (label-free
+        adaptation); a final batch of one image is left out (BN)."""
+
+    def eval_batches(self, batch_size: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The split in order, without augmentation (evaluation)."""
+
+
+class DataSplit:
+    """One split of a client's data as a method sees it: the :class:`ClientSplit` contract and
+    nothing else. It serves the engine's view without exposing it (no attribute leads to the
+    engine's objects: ``tests/core/test_client_seam.py``), so a method written against it runs on
+    any host, on raysim's test data, and on whatever the engine serves next."""
+    __slots__ = ("_view",)
+
+    def __init__(self, view: ClientSplit):
+        self._view = view
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    @property
+    def size(self) -> int:
+        """The number of examples."""
+        return len(self._view)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The labels (a copy: int64, in the split's order)."""
+        return np.array(self._view.labels, dtype=np.int64)
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The classes present, ascending."""
+        return tuple(int(c) for c in self._view.classes)
+
+    @property
+    def normalisation(self) -> Normalisation:
+        """The (mean, std) the images were normalised with (:class:`Normalisation`)."""
+        mean, std = self._view.normalisation
+        return Normalisation(tuple(float(m) for m in mean), tuple(float(s) for s in std))
+
+    def batches(self, batch_size: int, generator: torch.Generator, device,
+                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One shuffled pass of (images, labels) with train-time augmentation; order and augmentation
+        come from ``generator``. A client step draws its batches with ``ctx.batches()``."""
+        return self._view.batches(batch_size, generator=generator, device=device, drop_last=drop_last)
+
+    def unlabeled_batches(self, batch_size: int, generator: torch.Generator, device) -> Iterator[torch.Tensor]:
+        """One shuffled pass of the images alone, without augmentation; a final batch of one image
+        is left out (BN)."""
+        return self._view.unlabeled_batches(batch_size, generator, device)
+
+    def eval_batches(self, batch_size: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The split in order, without augmentation (:func:`raysim.core.training.evaluate`)."""
+        return self._view.eval_batches(batch_size, device)
+
+    def __repr__(self) -> str:
+        return f"DataSplit(n={len(self)})"
+
+
+class ClientData:
+    """One client's partition, already resident on its host, as a method sees it: its ``train``,
+    ``val`` and ``test`` splits (each a :class:`DataSplit`, None where the client has none) and
+    ``num_train``, the size its aggregation weight counts (``train.weighting: samples``).
+
+    Built from anything implementing :class:`ClientSplit` (the engine's views, ``raysim.testing``'s
+    splits); what it was built from stays out of a method's reach."""
+    __slots__ = ("train", "val", "test", "num_train")
+
+    def __init__(self, train: ClientSplit | None, val: ClientSplit | None = None, test: ClientSplit | None = None,
+                 num_train: int | None = None):
+        self.train, self.val, self.test = (None if s is None else s if isinstance(s, DataSplit) else DataSplit(s)
+                                           for s in (train, val, test))
+        self.num_train = int(len(self.train) if num_train is None else num_train)
+
+    def batches(self, batch_size: int, generator: torch.Generator, device,
+                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of shuffled training batches (``train.batches``); order and augmentation come
+        from ``generator``. A client step draws its batches with ``ctx.batches()``."""
+        return self.train.batches(batch_size, generator, device, drop_last=drop_last)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{s}={None if getattr(self, s) is None else len(getattr(self, s))}"
+                          for s in ("train", "val", "test"))
+        return f"ClientData({sizes}, num_train={self.num_train})"
 
 
 @dataclass
@@ -177,30 +291,49 @@ class ClientContext:
         return torch.optim.SGD(self.model.parameters() if params is None else params,
                                lr=self.lr if lr is None else lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
-    def batches(self, epochs: int | None = None, max_steps=_TRAIN_MAX_STEPS,
-                drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The model in train mode, then ``epochs`` (train.epochs) shuffled passes over the
-        client's training data, ending once ``max_steps`` (train.max_steps) steps were taken while
-        iterating. The running loss is checked for NaN after every pass."""
+    def batches(self, epochs: int | None = None, *, iters_per_epoch: int | None = None,
+                max_steps=_TRAIN_MAX_STEPS, drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The model in train mode, then the client's training batches, shuffled afresh every pass:
+        ``epochs`` (train.epochs) passes over its data, or, with ``iters_per_epoch``, ``epochs``
+        epochs of that many batches, passes following one another across epoch boundaries (an
+        epoch of a fixed number of iterations, as CSAC's code counts them); either way ending once
+        ``max_steps`` (train.max_steps; None: no cap) of the client's steps were taken while
+        iterating. Both limits are checked before the next batch is drawn. The running loss is
+        checked for NaN after every pass."""
         cap = self.train.max_steps if max_steps is _TRAIN_MAX_STEPS else max_steps
-        start = self._steps
+        epochs = self.train.epochs if epochs is None else epochs
+        budget = epochs * iters_per_epoch if iters_per_epoch else None  # batches, passes cycling
+        start, drawn = self._steps, 0
         self.model.train()
-        for _ in range(self.train.epochs if epochs is None else epochs):
+
+        def spent() -> bool:
+            return bool(cap and self._steps - start >= cap) or (budget is not None and drawn >= budget)
+        passes = 0
+        while (budget is not None or passes < epochs) and not spent():
             it = iter(self.data.batches(self.train.batch_size, self.generator, self.device, drop_last=drop_last))
-            while not (cap and self._steps - start >= cap):  # checked before the next batch is drawn
+            before = drawn
+            while not spent():
                 batch = next(it, None)
                 if batch is None:
                     break
+                drawn += 1
                 yield batch
+            passes += 1
             self.check_finite()
-            if cap and self._steps - start >= cap:
-                return
+            if budget is not None and drawn == before:
+                return  # an empty pass: nothing to cycle through
 
-    def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None) -> None:
+    def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None, record: bool = True) -> None:
         """:func:`sgd_step` with the gradient norm clipped at train.grad_clip (over ``clip``,
-        default the model's parameters), then the loss added to the running sum."""
+        default the model's parameters), then the loss added to the running sum: one of the
+        client's steps (``ctx.steps``: SCAFFOLD's K, train.max_steps, ``stats()``).
+
+        ``record=False``: the same step for a solver beside the client's model (Ditto's personal
+        model, FedADG's discriminator and generator): neither its loss nor the step is counted."""
         sgd_step(loss, *optimizers, clip=self.model.parameters() if clip is None else clip,
                  max_norm=self.train.grad_clip)
+        if not record:
+            return
         value = loss.detach().to(torch.float64)
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._steps += 1
@@ -250,6 +383,18 @@ class UnseenClient:
     def unlabeled_batches(self, batch_size: int) -> Iterator[torch.Tensor]:
         """One shuffled pass over the images the client is evaluated on, without their labels."""
         return self.data.test.unlabeled_batches(batch_size, self.generator, self.device)
+
+    def optimizer(self, params, lr: float | None = None, momentum: float = 0.0,
+                  weight_decay: float = 0.0) -> torch.optim.Optimizer:
+        """SGD over ``params`` at ``lr`` (default: the last training round's), plain unless
+        ``momentum`` or ``weight_decay`` are given: an adaptation's step, ``theta <- theta - lr *
+        grad`` (FDSE Alg. 3), not the clients' training optimizer."""
+        return torch.optim.SGD(params, lr=self.lr if lr is None else lr, momentum=momentum, weight_decay=weight_decay)
+
+    def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None) -> None:
+        """:func:`sgd_step`: zero-grad, backward, step; the gradient norm of ``clip`` (parameters)
+        clipped at train.grad_clip where it is given, none otherwise."""
+        sgd_step(loss, *optimizers, clip=clip, max_norm=self.train.grad_clip if clip is not None else None)
 
 
 @dataclass

@@ -6,14 +6,21 @@ Batches are cut from index permutations drawn from the client's round generator,
 With a :class:`DeviceBudget` (``runtime.device_data_mb`` on a GPU host) a view keeps its
 normalised images and labels on the device once first used and cuts batches there: no per-batch
 preparation on the CPU and no host-to-device copy per step. The batches are the same values.
+
+A host keeps each client's views in a :class:`ClientViews`; a method sees them only through the
+contract's :class:`~raysim.core.contract.ClientData` (``ClientViews.for_method``), never the views
+themselves.
 """
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from raysim.core.contract import ClientData
 
 
 class DeviceBudget:
@@ -46,8 +53,23 @@ def device_budget(device, megabytes: float) -> DeviceBudget | None:
     return DeviceBudget(device, megabytes)
 
 
-def keep_on_device(data, budget: DeviceBudget | None):
-    """``data`` (a ClientData) with its views drawing on ``budget``; unchanged without one."""
+@dataclass
+class ClientViews:
+    """A client's data as its host keeps it: a :class:`SplitView` per split, and the number of
+    training examples its aggregation weight counts."""
+    train: "SplitView"
+    val: "SplitView"
+    test: "SplitView"
+    num_train: int
+
+    def for_method(self) -> ClientData:
+        """The same data as a method sees it: the contract's ClientData, which serves these views
+        without exposing them."""
+        return ClientData(self.train, self.val, self.test, self.num_train)
+
+
+def keep_on_device(data: ClientViews, budget: DeviceBudget | None) -> ClientViews:
+    """``data`` with its views drawing on ``budget``; unchanged without one."""
     if budget is None:
         return data
     return dataclasses.replace(data, **{s: SplitView(getattr(data, s).split, getattr(data, s).indices, budget)
@@ -61,6 +83,9 @@ def applies_augmentation(split) -> bool:
 
 
 class SplitView:
+    """A client's part of a dataset split (its ``indices``): the engine's implementation of
+    :class:`raysim.core.contract.ClientSplit`."""
+
     def __init__(self, split, indices: np.ndarray, budget: DeviceBudget | None = None):
         self.split = split
         self.indices = np.asarray(indices, dtype=np.int64)
@@ -73,6 +98,15 @@ class SplitView:
     @property
     def labels(self) -> np.ndarray:
         return self.split.labels[self.indices]
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unique(self.labels))
+
+    @property
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The split's (mean, std): a batch holds ``(pixels - mean) / std``."""
+        return tuple(self.split.mean), tuple(self.split.std)
 
     def resident(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The view's normalised images and labels on ``device``, made once (on the CPU with the

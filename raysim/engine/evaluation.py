@@ -21,7 +21,7 @@ class Evaluator:
     model into it) and the host's client data."""
 
     def __init__(self, cfg, fed, model, initial_state: dict, data, device, record_of):
-        """``initial_state``: the model's initial weights; ``data``: client id -> ClientData;
+        """``initial_state``: the model's initial weights; ``data``: client id -> ClientViews;
         ``record_of(client id)``: the client's stored record (its initial one if it has none)."""
         self.cfg, self.fed, self.method = cfg, fed, fed.method
         self.model, self.initial_state, self.data, self.device = model, initial_state, data, device
@@ -69,8 +69,8 @@ class Evaluator:
     def unseen_client(self, cid: int, rnd: int) -> UnseenClient:
         """What ``Method.adapt_to_unseen`` sees of an unseen client in round ``rnd``."""
         train = self.cfg.train
-        return UnseenClient(client_id=cid, domain=self.fed.domain(cid), round=rnd, data=self.data[cid], train=train,
-                            lr=train.lr * train.lr_decay ** (rnd - 1),
+        return UnseenClient(client_id=cid, domain=self.fed.domain(cid), round=rnd, data=self.data[cid].for_method(),
+                            train=train, lr=train.lr * train.lr_decay ** (rnd - 1),
                             generator=generator_for(self.cfg.seed, rnd, cid, "adapt"), device=self.device)
 
     def scores(self, model, cid: int, splits: list[str]) -> dict[str, SplitScores]:

@@ -14,7 +14,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from raysim.core.contract import ClientData, Setup
+from raysim.core.contract import Setup
 from raysim.core.errors import UserError
 from raysim.methods import registry
 from raysim.engine.clock import ClientTable, client_profiles
@@ -107,19 +107,19 @@ class Federation:
         return self._member_data(cid if not self.pooled else cid - 1 + self._partitions[0].num_clients)
 
     def _member_data(self, cid: int):
-        from raysim.engine.clientdata import SplitView
+        from raysim.engine.clientdata import ClientViews, SplitView
 
         if self.shards is not None:
             n = self.num_clients
             data = self.partition.read(cid) if cid < n else self.target.read(cid - n)
             views = {s: SplitView(data.split(s), np.arange(len(data.split(s)))) for s in ("train", "val", "test")}
-            return ClientData(train=views["train"], val=views["val"], test=views["test"],
+            return ClientViews(train=views["train"], val=views["val"], test=views["test"],
                               num_train=len(views["train"]))
         shard = self.shard(cid)
         ds = self.dataset
         views = {s: SplitView(ds.split(shard.domain, shard.split_name(s)), getattr(shard, s))
                  for s in ("train", "val", "test")}
-        return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(shard.train))
+        return ClientViews(train=views["train"], val=views["val"], test=views["test"], num_train=len(shard.train))
 
     def domain(self, cid: int) -> str:
         n = self.num_clients
@@ -229,14 +229,14 @@ class ClientDomains(ClientTable):
         return "ClientDomains(" + ", ".join(f"{d} x{n}" for _, n, d in self.runs()) + ")"
 
 
-def pooled_data(members: list) -> ClientData:
-    """One ClientData whose train/val/test run over the members' views, part after part."""
+def pooled_data(members: list):
+    """One ClientViews whose train/val/test run over the members' views, part after part."""
     from raysim.data.splits import ConcatSplit
-    from raysim.engine.clientdata import SplitView
+    from raysim.engine.clientdata import ClientViews, SplitView
 
     def concat(views):
         offsets = np.cumsum([0] + [len(v.split) for v in views])
         return SplitView(ConcatSplit([v.split for v in views]),
                          np.concatenate([v.indices + off for v, off in zip(views, offsets)]))
     views = {s: concat([getattr(m, s) for m in members]) for s in ("train", "val", "test")}
-    return ClientData(train=views["train"], val=views["val"], test=views["test"], num_train=len(views["train"]))
+    return ClientViews(train=views["train"], val=views["val"], test=views["test"], num_train=len(views["train"]))

@@ -24,8 +24,8 @@ import torch
 from raysim.core.aggregation import WeightedMean
 from raysim.models.dropout import dropout_generator
 from raysim.engine.clock import ClientClock
-from raysim.core.contract import ClientContext, ClientData, Upload
-from raysim.engine.clientdata import device_budget, keep_on_device
+from raysim.core.contract import ClientContext, Upload
+from raysim.engine.clientdata import ClientViews, device_budget, keep_on_device
 from raysim.engine.cohort import CohortClient, auto_cohort_size, cohort_ready, run_cohort
 from raysim.engine.compute import ComputeMeter
 from raysim.engine.determinism import configure as configure_determinism
@@ -54,14 +54,14 @@ DATA_CACHE_CLIENTS = 4096
 
 
 class ClientDataCache:
-    """Client id -> ClientData, built on first use; the least recently used beyond ``limit`` are
+    """Client id -> ClientViews, built on first use; the least recently used beyond ``limit`` are
     dropped (a view is a pure function of the partition, so rebuilding it gives the same data)."""
 
     def __init__(self, build, limit: int):
         self._build, self._limit = build, max(1, int(limit))
-        self._items: OrderedDict[int, ClientData] = OrderedDict()
+        self._items: OrderedDict[int, ClientViews] = OrderedDict()
 
-    def __getitem__(self, cid: int) -> ClientData:
+    def __getitem__(self, cid: int) -> ClientViews:
         data = self._items.get(cid)
         if data is None:
             data = self._items[cid] = self._build(cid)
@@ -140,7 +140,7 @@ class ClientHost:
         self.evaluator = Evaluator(cfg, self.fed, self.model, self._init_sd, self.data, self.device, self._record)
         return self.ready()
 
-    def _client_data(self, cid: int) -> ClientData:
+    def _client_data(self, cid: int) -> ClientViews:
         # from the dataset, or from the client's own shard (data.shards)
         return keep_on_device(self.fed.client_data(cid), self.device_budget)
 
@@ -164,7 +164,7 @@ class ClientHost:
         train = self.cfg.train
         return ClientContext(
             client_id=cid, domain=self.fed.domain(cid), round=rnd, model=self.model,
-            payload=payload, state=state, data=self.data[cid], train=train,
+            payload=payload, state=state, data=self.data[cid].for_method(), train=train,
             lr=train.lr * train.lr_decay ** (rnd - 1),
             generator=generator_for(self.cfg.seed, rnd, cid, "train"), device=self.device,
             profile=self.fed.profile(cid))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from raysim.core.aggregation import Mean
 from raysim.config import load_config
-from raysim.core.contract import Method
+from raysim.core.contract import ClientData, Method
 from raysim.core.errors import TrainingDiverged, UserError
 from raysim.app.experiment import federation
 from raysim.core.hparams import Hparams
@@ -21,7 +21,7 @@ from raysim.methods import registry
 from raysim.engine.backend import InProcess
 from raysim.engine.loop import Callback
 from raysim.core.settings import setting
-from raysim.testing import client_context, fixed_batches
+from raysim.testing import FixedBatches, client_context, fixed_batches
 
 BASE = {
     "rounds": 3, "seed": 2,
@@ -223,16 +223,85 @@ def test_step_and_stats_by_hand():
     # train.max_steps ends the round mid-epoch, without drawing another batch
     drawn = []
 
-    def counted():
-        for b in [(x, torch.tensor([1, 1]))] * 5:
-            drawn.append(1)
-            yield b
+    class Counted(FixedBatches):
+        def batches(self, *a, **k):
+            for b in self.list:
+                drawn.append(1)
+                yield b
     capped = context([], epochs=3, max_steps=3)
-    capped.data.batches = lambda *a, **k: counted()
+    capped.data = ClientData(Counted([(x, torch.tensor([1, 1]))] * 5))
     opt = capped.optimizer()
     for xb, yb in capped.batches():
         capped.step(F.cross_entropy(capped.model(xb), yb), opt)
     assert capped.steps == 3 and len(drawn) == 3
+
+
+def test_iterations_per_epoch_cycle_through_passes_and_stop_at_the_budget():
+    """Passes of 3 batches: 2 epochs of 4 iterations are 8 batches from 3 passes (3 + 3 + 2, the
+    third stopped before its last batch is drawn); max_steps 5 ends them sooner; an empty client
+    ends at once instead of cycling forever."""
+    x = torch.tensor([[1.0], [1.0]])
+    batches = [(x * (k + 1), torch.tensor([0, 1])) for k in range(3)]  # batch k holds images k + 1
+    drawn = []
+
+    class Counted(FixedBatches):
+        def batches(self, *a, **k):
+            drawn.append(0)
+            assert len(drawn) < 10, "passes cycling without end"
+            for b in self.list:
+                drawn[-1] += 1
+                yield b
+    for cap, steps, passes in ((None, 8, [3, 3, 2]), (5, 5, [3, 2])):
+        drawn.clear()
+        ctx = context([], epochs=1, max_steps=cap)
+        ctx.data = ClientData(Counted(batches))
+        opt = ctx.optimizer()
+        seen = []
+        for xb, yb in ctx.batches(2, iters_per_epoch=4):
+            seen.append(int(xb[0, 0]))
+            ctx.step(F.cross_entropy(ctx.model(xb), yb), opt)
+        assert ctx.steps == steps and drawn == passes and seen == [1, 2, 3, 1, 2, 3, 1, 2][:steps]
+    drawn.clear()
+    empty = context([], epochs=1)
+    empty.data = ClientData(Counted([]))
+    assert list(empty.batches(3, iters_per_epoch=4)) == [] and drawn == [0]
+    assert list(empty.batches(0, iters_per_epoch=4)) == [] and drawn == [0]  # no budget: not even a pass
+
+
+def test_an_unrecorded_step_moves_its_parameters_and_counts_nowhere():
+    """record=False (a second solver beside the model): the same clipped SGD step, but neither its
+    loss nor the step enters ctx.stats() / ctx.steps. grad_clip 0.1: the gradient [-0.5, 0.5] of
+    the first step (norm 0.707) is clipped to norm 0.1, so w moves by 0.5 * 0.1 / sqrt 2."""
+    x = torch.tensor([[1.0], [1.0]])
+    ctx = context([(x, torch.tensor([0, 0]))], grad_clip=0.1)
+    other = torch.nn.Linear(1, 2, bias=False)
+    with torch.no_grad():
+        other.weight.zero_()
+    opt, opt_other = ctx.optimizer(), ctx.optimizer(other.parameters())
+    for xb, yb in ctx.batches():
+        ctx.step(F.cross_entropy(ctx.model(xb), yb), opt)
+        ctx.step(F.cross_entropy(other(xb), yb) * 3.0, opt_other, clip=other.parameters(), record=False)
+    step = 0.5 * 0.1 / math.sqrt(2)
+    assert torch.allclose(other.weight, torch.tensor([[step], [-step]]))
+    assert torch.allclose(ctx.model.weight, other.weight)  # the same clipped step
+    assert ctx.stats() == {"loss": pytest.approx(math.log(2)), "steps": 1}
+
+
+def test_an_unseen_clients_optimizer_is_plain_sgd_at_the_last_rounds_lr():
+    """theta <- theta - lr * grad, no momentum, no weight decay (FDSE Alg. 3); step() clips only
+    what it is told to."""
+    from raysim.config import TrainConfig
+    from raysim.core.contract import UnseenClient
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    client = UnseenClient(client_id=5, domain="t", round=3, data=fixed_batches(), lr=0.25, device=torch.device("cpu"),
+                          train=TrainConfig(momentum=0.9, weight_decay=0.1, grad_clip=0.5),
+                          generator=torch.Generator().manual_seed(0))
+    opt = client.optimizer([w])
+    for _ in range(2):  # grad of sum(w^2) / 2 is w: w <- 0.75 w, twice (no momentum would add more)
+        client.step((w ** 2).sum() / 2, opt)
+    assert torch.allclose(w.detach(), torch.tensor([1.0, -2.0]) * 0.75 ** 2)
+    client.step((w ** 2).sum() / 2, client.optimizer([w], lr=1.0), clip=[w])  # grad w, ||w|| = 1.26, clipped to 0.5
+    assert float(w.detach().norm()) == pytest.approx(0.5625 * math.sqrt(5) - 0.5, rel=1e-5)
 
 
 def test_a_diverged_loss_is_reported_at_the_end_of_the_epoch():

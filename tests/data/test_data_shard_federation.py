@@ -48,7 +48,7 @@ def same_client_data(a, b, train_aug: bool = True):
     assert a.num_train == b.num_train
     if train_aug and a.num_train:  # the same shuffled, augmented batches from the same generator
         ga, gb = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-        for (xa, ya), (xb, yb) in zip(a.batches(16, ga, "cpu"), b.batches(16, gb, "cpu")):
+        for (xa, ya), (xb, yb) in zip(a.train.batches(16, ga, "cpu"), b.train.batches(16, gb, "cpu")):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

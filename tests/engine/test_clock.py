@@ -168,7 +168,7 @@ def charged(method, hp=None, rounds=1, **train):
     for rnd in range(1, rounds + 1):
         m.load_client_model(model, payload, state)
         ctx = ClientContext(client_id=0, domain=fed.domain(0), round=rnd, model=model, payload=payload, state=state,
-                            data=fed.client_data(0), train=cfg.train, lr=cfg.train.lr,
+                            data=fed.client_data(0).for_method(), train=cfg.train, lr=cfg.train.lr,
                             generator=generator_for(cfg.seed, rnd, 0, "train"), device=torch.device("cpu"),
                             profile=fed.profile(0))
         with ComputeMeter() as meter:

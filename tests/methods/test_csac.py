@@ -10,12 +10,12 @@ from torch import nn
 from raysim.config import TrainConfig
 from raysim.core.errors import UserError
 from raysim.core.aggregation import AllUploads
-from raysim.core.contract import Upload
+from raysim.core.contract import ClientData, Upload
 from raysim.methods.csac import (CSAC, CSACHparams, FeatureTaps, Projections, attention_scores, attention_weights,
                                  default_layers, fuse, fusion_weights, mk_mmd, mk_mmd_pairs, projection_conv)
 from raysim.models import build
 from raysim.models.base import Net
-from raysim.testing import client_context, client_data
+from raysim.testing import InMemorySplit, client_context
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,9 +241,10 @@ def tiny_net():
 
 
 def ctx_for(m, model, srv, cid, rnd, state, data, epochs=1):
+    """``data``: the client's training split (an InMemorySplit, whose ``passes`` count the passes drawn)."""
     payload = m.broadcast(srv, rnd)
     m.load_client_model(model, payload, state)
-    return client_context(m, model, data, client_id=cid, round=rnd, payload=payload, state=state,
+    return client_context(m, model, ClientData(data), client_id=cid, round=rnd, payload=payload, state=state,
                           train=TrainConfig(epochs=epochs, batch_size=4, lr=0.05, momentum=0.5), seed=100 * rnd + cid,
                           domain=str(cid))
 
@@ -255,7 +256,7 @@ def federation(m, rounds, n_clients=3, epochs=1):
     srv = m.init_server(model)
     states = {c: m.init_client_state(c, model) for c in range(n_clients)}
     g = torch.Generator().manual_seed(7)
-    data = {c: client_data(torch.randn(10, 1, 8, 8, generator=g) + c, torch.randint(0, 3, (10,), generator=g))
+    data = {c: InMemorySplit(torch.randn(10, 1, 8, 8, generator=g) + c, torch.randint(0, 3, (10,), generator=g))
             for c in range(n_clients)}
     history = []
     for rnd in range(1, rounds + 1):
@@ -274,7 +275,7 @@ def test_independent_heads_are_each_clients_own_draw_and_the_trunk_is_shared():
     generator; the trunk stays the received one. False: every client keeps the received head."""
     torch.manual_seed(0)
     model = tiny_net()
-    data = client_data(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    data = InMemorySplit(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
     for independent in (True, False):
         m = method(stage1_epochs=0, independent_head_init=independent)
         srv = m.init_server(model)
@@ -315,7 +316,7 @@ def test_round_one_is_stage_one_and_later_rounds_calibrate():
     assert r2["align"] > 0 and r2["ce"] > 0
     assert r2["loss"] == pytest.approx(r2["ce"] + 0.6 * r2["align"], rel=1e-6)
     assert 0 <= r2["alpha_entropy"] <= math.log(2) + 1e-6
-    assert data[0].train.passes[:3] == [False] * 3 and data[0].train.passes[3:] == [True, True]
+    assert data[0].passes[:3] == [False] * 3 and data[0].passes[3:] == [True, True]
 
 
 def test_stage_one_uses_label_smoothing_and_the_iteration_budget():
@@ -323,11 +324,11 @@ def test_stage_one_uses_label_smoothing_and_the_iteration_budget():
     torch.manual_seed(0)
     model = tiny_net()
     srv = m.init_server(model)
-    data = client_data(torch.randn(10, 1, 8, 8), torch.randint(0, 3, (10,)))
+    data = InMemorySplit(torch.randn(10, 1, 8, 8), torch.randint(0, 3, (10,)))
     state = {}
     up = m.local_update(ctx_for(m, model, srv, 0, 1, state, data))
     assert up.metrics["steps"] == 10  # 2 x 5 iterations, cycling through 3 passes of 3 batches
-    assert len(data.train.passes) == 4
+    assert len(data.passes) == 4
     # plain CE of the official code's variant gives a different first loss on the same batch
     # (one shared initial head, so that the loss can be checked against the received model)
     ls = method(stage1_epochs=1, stage1_iters_per_epoch=1, independent_head_init=False)
@@ -337,7 +338,7 @@ def test_stage_one_uses_label_smoothing_and_the_iteration_budget():
         model = tiny_net()
         model.load_state_dict(srv["global"])
         losses.append(mm.local_update(ctx_for(mm, model, srv, 0, 1, {}, data)).metrics["loss"])
-    x, y = next(client_data(data.train.x, data.train.y).batches(4, torch.Generator().manual_seed(100), None))
+    x, y = next(InMemorySplit(data.x, data.y).batches(4, torch.Generator().manual_seed(100), None))
     model = tiny_net()
     model.load_state_dict(srv["global"])
     model.train()

@@ -18,7 +18,7 @@ from raysim.methods.lib.masks import apply_masks, num_pruned
 from raysim.core.tiers import level_counts, level_tiers
 from raysim.models.base import Net
 from raysim import testing
-from raysim.testing import client_context, random_client_data
+from raysim.testing import client_context, client_data, random_client_data
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -396,12 +396,8 @@ def test_client_loss_is_ce_over_the_client_labels():
         losses[norm] = m.local_update(context(m, tiny_net(), epochs=2, lr=0.0)).metrics["loss"]
     assert losses["labels"] == pytest.approx(losses["batch"] / 3, rel=1e-5)
 
-    class Split:
-        labels = torch.tensor([0, 2, 2, 0]).numpy()
-
-    class Data:
-        train = Split()
-    assert m.num_labels(type("Ctx", (), {"data": Data()})()) == 2
+    data = client_data(torch.zeros(4, 3, 6, 6), torch.tensor([0, 2, 2, 0]))
+    assert m.num_labels(type("Ctx", (), {"data": data})()) == 2
 
 
 def test_footprint_table_resnet10_matches_nominal_and_measured_counts():
@@ -478,7 +474,8 @@ def test_global_model_bn_statistics_are_those_of_the_dense_global_model(rho):
         new = m.aggregate({"global": prev}, AllUploads({0: up}), 2)["global"]
         glob = tiny_net()
         glob.load_state_dict(new)
-        expected = bn_input_stats(copy.deepcopy(glob), data.train.x)
+        x = torch.cat([xb for xb, _ in data.train.eval_batches(8, None)])  # the client's 8 images
+        expected = bn_input_stats(copy.deepcopy(glob), x)
         results[mode] = max(max(float((new[f"{n}.running_mean"] - mu).abs().max()),
                                 float((new[f"{n}.running_var"] - var).abs().max()))
                             for n, (mu, var) in expected.items())

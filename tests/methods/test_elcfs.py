@@ -18,19 +18,11 @@ def setup(name="small_cnn", channels=1, size=16, n=3):
     return testing.setup(image_shape=(channels, size, size), num_clients=n, model=ModelConfig(name=name, norm="bn"))
 
 
-class _Pixels:
+def _pixels():
     """A client's data for ELCFS's client step: four 1 x 8 x 8 images normalised with (0.5, 0.25)."""
-
-    def __init__(self):
-        from types import SimpleNamespace
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = (torch.rand(4, 1, 8, 8, generator=g) - 0.5) / 0.25, torch.randint(0, 3, (4,), generator=g)
-        self.train, self.num_train = SimpleNamespace(mean=(0.5,), std=(0.25,)), 4
-
-    def batches(self, batch_size, generator, device, drop_last=False):
-        order = torch.randperm(4, generator=generator)
-        for i in range(0, 4, batch_size):
-            yield self.x[order[i:i + batch_size]], self.y[order[i:i + batch_size]]
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.rand(4, 1, 8, 8, generator=g) - 0.5) / 0.25, torch.randint(0, 3, (4,), generator=g)
+    return testing.client_data(x, y, normalisation=((0.5,), (0.25,)))
 
 
 def test_elcfs_dc_swap_moves_the_mean_and_keeps_the_rest():
@@ -119,7 +111,7 @@ def test_elcfs_client_never_draws_its_own_spectra():
 
     def step(method, bank):
         model.load_state_dict(start)
-        ctx = testing.client_context(method, model, _Pixels(), round=2, payload={"global": start, "bank": bank},
+        ctx = testing.client_context(method, model, _pixels(), round=2, payload={"global": start, "bank": bank},
                                      state={"uploaded": True}, train=TrainConfig(batch_size=4, lr=0.1), seed=7)
         return {k: v.clone() for k, v in method.local_update(ctx).tensors.items()}
     fedavg = step(FedAvg(FedAvg.Hparams(), setup(size=8)), {})

@@ -96,7 +96,11 @@ def test_fedadg_warm_up_and_feature_step_smooth_over_the_other_classes():
             m, model, data = tiny_fedadg({"ce_epochs": warm_up, **hp})
             ctx = one_batch_context(model, data)
             losses, step, d_out = [], ctx.step, []
-            ctx.step = lambda loss, *opts, **kw: (losses.append(float(loss.detach())), step(loss, *opts, **kw))
+            def recorded(loss, *opts, **kw):  # the steps of F and C (D's and G's are not recorded)
+                if kw.get("record", True):
+                    losses.append(float(loss.detach()))
+                step(loss, *opts, **kw)
+            ctx.step = recorded
             model.disc.register_forward_hook(lambda mod, args, out: d_out.append(out.detach().clone()))
             m.local_update(ctx)
             adversarial = 0.15 * float(((1 - d_out[2]) ** 2).mean())  # D's calls: (a) D(G), D(F); (b) D(F)

@@ -112,7 +112,7 @@ def test_feddg_ga_client_uploads_the_gap_of_the_received_model():
     theta1 = {k: v.clone() for k, v in up.tensors.items()}
     theta1["head.bias"] = torch.tensor([10.0, 0.0, 0.0])  # theta^1 predicts class 0 everywhere
     model.load_state_dict(theta1)
-    acc0 = float((random_client_data(seed=0, num_val=6).val.y == 0).float().mean())
+    acc0 = float((random_client_data(seed=0, num_val=6).val.labels == 0).mean())
     up2 = m.local_update(context(model, {"global": theta1}, ctx.state, rnd=2))
     assert up2.extras["gap"] == pytest.approx(acc0 - before)
     # a client that skipped round 2 measures no gap in round 3 (theta^2 does not hold its model)

@@ -62,7 +62,7 @@ def test_method_keeps_its_state_on_the_cpu_when_it_trains_on_an_accelerator(meth
         for rnd in (1, 2):
             m.load_client_model(model, payload, state)
             ctx = ClientContext(client_id=0, domain=fed.domain(0), round=rnd, model=model, payload=payload,
-                                state=state, data=fed.client_data(0), train=cfg.train, lr=cfg.train.lr,
+                                state=state, data=fed.client_data(0).for_method(), train=cfg.train, lr=cfg.train.lr,
                                 generator=generator_for(cfg.seed, rnd, 0, "train"), device=device,
                                 profile=fed.profile(0))
             m.local_update(ctx)
