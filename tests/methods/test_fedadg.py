@@ -1,46 +1,19 @@
 """FedADG: its key equations against values worked out by hand on tiny tensors, and its client step
 on a tiny model (baselines spec 5.6)."""
 import math
-import random
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from raysim.config import TrainConfig
+from dg_client_harness import context, global_rng, one_batch_context, same_rng, setup
 from raysim.methods.fedadg import (DISC, FedADG, FedADGNet, discriminator_loss, feature_loss, generator_loss,
                                    smoothed_ce, soft_labels)
 from raysim.models.base import Net
-from raysim import testing
-from raysim.testing import client_context, fixed_batches, random_client_data
+from raysim.testing import fixed_batches
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def setup(n=3, rounds=10):
-    return testing.setup(num_clients=n, rounds=rounds)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN
-
-
-def context(model, payload, state, cid=0, rnd=1, lr=0.1, epochs=1):
-    """8 training and 6 validation images of client ``cid`` (seeded with it)."""
-    return client_context(None, model, random_client_data(seed=cid, num_val=6), client_id=cid, round=rnd,
-                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
-
-
-def global_rng():
-    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-
-
-def same_rng(a, b):
-    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
-
-
-def one_batch_context(model, data, state=None, epochs=1, lr=0.1):
-    """``data``: one fixed batch per epoch (no shuffling), the data of the hand-computed client steps."""
-    return client_context(None, model, data, state=state or {},
-                          train=TrainConfig(epochs=epochs, batch_size=data.num_train, lr=lr), seed=7)
 
 
 def tiny_fedadg(hp: dict):

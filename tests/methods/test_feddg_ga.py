@@ -3,26 +3,15 @@ a tiny model (baselines spec 5.2)."""
 import pytest
 import torch
 
+from dg_client_harness import context, setup
 from raysim.core.aggregation import AllUploads, KeepAll
-from raysim.config import TrainConfig
 from raysim.core.contract import Upload
 from raysim.methods.feddg_ga import FedDGGA, adjust_weights, step_size
 from raysim.models import build
-from raysim import testing
-from raysim.testing import client_context, random_client_data
+from raysim.testing import random_client_data
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def setup(n=3, rounds=10):
-    return testing.setup(num_clients=n, rounds=rounds)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN
-
-
-def context(model, payload, state, cid=0, rnd=1, lr=0.1, epochs=1):
-    """8 training and 6 validation images of client ``cid`` (seeded with it)."""
-    return client_context(None, model, random_client_data(seed=cid, num_val=6), client_id=cid, round=rnd,
-                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
 
 
 def test_feddg_ga_weight_update_spec_example():

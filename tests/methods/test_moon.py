@@ -4,25 +4,9 @@ import math
 import pytest
 import torch
 
-from raysim.config import TrainConfig
+from small_cnn_harness import context, setup, small
 from raysim.methods.moon import MOON, model_contrastive_loss
-from raysim.models import build
-from raysim import testing
-from raysim.testing import client_context, random_client_data
-
-
-def setup(n=2, **kw):
-    return testing.setup(num_clients=n, **kw)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN, 3 rounds
-
-
-def small(seed=0):
-    torch.manual_seed(seed)
-    return build("small_cnn", num_classes=3, in_channels=1, input_size=8, norm="bn")
-
-
-def context(method, model, payload, state, cid=0, rnd=2, lr=0.1, epochs=1, data=None):
-    return client_context(method, model, data or random_client_data(seed=cid), client_id=cid, round=rnd,
-                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
+from raysim.testing import random_client_data
 
 
 def test_moon_contrastive_loss_by_hand():

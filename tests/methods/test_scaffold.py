@@ -3,36 +3,14 @@ spec 2.1)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from small_cnn_harness import Scalar, context, setup, small
 from raysim.core.aggregation import Mean, WeightedMean
 from raysim.config import TrainConfig
 from raysim.core.contract import Upload, sgd_step
 from raysim.core.errors import UserError
 from raysim.methods.scaffold import Scaffold, control_update, correction
-from raysim.models import build
-from raysim import testing
 from raysim.testing import client_context, fixed_batches, random_client_data
-
-
-def setup(n=2, **kw):
-    return testing.setup(num_clients=n, **kw)  # 3 classes of 1 x 8 x 8 images, small_cnn with BN, 3 rounds
-
-
-def small(seed=0):
-    torch.manual_seed(seed)
-    return build("small_cnn", num_classes=3, in_channels=1, input_size=8, norm="bn")
-
-
-def context(method, model, payload, state, cid=0, rnd=2, lr=0.1, epochs=1, data=None):
-    return client_context(method, model, data or random_client_data(seed=cid), client_id=cid, round=rnd,
-                          payload=payload, state=state, train=TrainConfig(epochs=epochs, batch_size=4, lr=lr), seed=7)
-
-
-class Scalar(nn.Module):
-    def __init__(self, value=0.0):
-        super().__init__()
-        self.theta = nn.Parameter(torch.tensor([value]))
 
 
 def test_scaffold_removes_the_client_drift_on_two_quadratics():
@@ -68,13 +46,20 @@ def test_scaffold_removes_the_client_drift_on_two_quadratics():
     assert history[0] == pytest.approx([0.1, 0.3]) and history[1] == pytest.approx([0.38, 0.38])
 
 
+def random_variates(model, seed):
+    """A server variate c (0.01 N(0, 1)) and a client's c_i (0.02 N(0, 1)) for each of ``model``'s
+    parameters, drawn in that order from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    c = {k: 0.01 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    c_i = {k: 0.02 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    return c, c_i
+
+
 def test_scaffold_client_step_is_sgd_on_the_corrected_gradient_and_option_two():
     m = Scaffold(Scaffold.Hparams(), setup(2))
     model = small()
     x = {k: v.clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(3)
-    c = {k: 0.01 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
-    c_i = {k: 0.02 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    c, c_i = random_variates(model, seed=3)
     ctx = context(m, model, {"global": x, "c": c}, {"c": {k: v.clone() for k, v in c_i.items()}})
     up = m.local_update(ctx)
     # by hand: the same batches, plain SGD on grad CE + c - c_i
@@ -140,9 +125,7 @@ def test_scaffold_option_two_uses_the_steps_taken_and_this_rounds_lr():
     m = Scaffold(Scaffold.Hparams(), setup(2))
     model = small()
     x = {k: v.clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator().manual_seed(4)
-    c = {k: 0.01 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
-    c_i = {k: 0.02 * torch.randn(p.shape, generator=gen) for k, p in model.named_parameters()}
+    c, c_i = random_variates(model, seed=4)
     ctx = context(m, model, {"global": x, "c": c}, {"c": {k: v.clone() for k, v in c_i.items()}}, lr=0.05, epochs=2,
                   data=random_client_data(num_train=6))
     ctx.train = TrainConfig(epochs=2, batch_size=4, lr=0.1)  # the undecayed lr
