@@ -3,8 +3,10 @@ in raysim.tuning).
 
 User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback. A run that
 stops for another reason (a failed write, a lost actor beyond runtime.max_restarts) prints one
-line with what is intact and how to resume, exit 1; Ctrl-C exits 130 and SIGTERM 143, with the
-resume hint when there is something to resume.
+line with what is intact and how to resume, exit 1; a bug in a method's code prints its traceback
+and that line, exit 1; a fault another try may not meet (no spare capacity, a lock another host
+still holds, Ray's control processes gone) exits 75 (EX_TEMPFAIL, which cluster/supervise.sh
+retries); Ctrl-C exits 130 and SIGTERM 143, with the resume hint when there is something to resume.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import argparse
 import os
 import sys
 
-from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError, first_line
+from raysim.core.errors import Interrupted, MethodFailed, RunFailed, Terminated, TryLater, UserError, first_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
         return 128 + err.signal
+    except TryLater as err:
+        print(f"raysim: {first_line(err)}", file=sys.stderr)
+        return TryLater.exit_code
+    except MethodFailed as err:
+        if err.traceback:
+            print(err.traceback.rstrip(), file=sys.stderr)
+        print(f"raysim: {first_line(err)}", file=sys.stderr)
+        return 1
     except RunFailed as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
         return 1

@@ -27,6 +27,27 @@ class Interrupted(RunFailed):
         self.signal = signal
 
 
+class TryLater(RunFailed):
+    """A fault that another try may not meet: a lost node with no spare capacity yet, a lock held
+    by another host that is not yet stale, Ray's control processes (GCS, raylet) gone. The CLI
+    exits with 75 (EX_TEMPFAIL), which ``cluster/supervise.sh`` retries with backoff."""
+
+    exit_code = 75
+
+
+class MethodFailed(RunFailed):
+    """An exception raised by a method's own code (on a host or on the server): a bug to fix, not a
+    fault to replay. ``traceback`` is the method's traceback as text (its file and line); the CLI
+    prints it after the one-line message and exits with 1."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
+
+    def __reduce__(self):  # survives the trip through Ray and a thread pool
+        return (MethodFailed, (str(self), self.traceback))
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (scancel, a pod's termination, preemption), raised where Ctrl-C raises
     KeyboardInterrupt, so every phase stops the same way; exit code 143."""
