@@ -175,6 +175,15 @@ def cmd_new(ns) -> int:
     return 0
 
 
+def _exit_now(code: int):
+    """End the process at once after a signal or a lost Ray node: every file is written and Ray's
+    processes are ended, but the interpreter's own exit would still wait seconds on Ray's
+    connections to processes that are gone (its atexit shutdown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _on_sigterm(signum, frame):
     raise Terminated()
 
@@ -196,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Interrupted as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
-        return 128 + err.signal
+        _exit_now(128 + err.signal)
     except TryLater as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
-        return TryLater.exit_code
+        _exit_now(TryLater.exit_code)
     except MethodFailed as err:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)

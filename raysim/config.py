@@ -126,6 +126,10 @@ class RuntimeConfig:
     # a lost ClientHost or Server is replaced and the federation replays from its last checkpoint;
     # this many in a row without progress (no round completed past the one that failed) end the run
     max_restarts: int = setting(3, ge=0)
+    # the deadline of every wait on the server and hosts (raysim.engine.watchdog): past it, an actor
+    # that does not answer a health check is replaced as lost; null: 10 x the median of the last
+    # rounds' wall time, at least 60 s
+    stall_timeout_s: float | None = setting(None, gt=0)
 
 
 @dataclass

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 
 from raysim.app.configs import check_methods, load_checked, method_keys
 from raysim.config import ExperimentConfig, dump_yaml
-from raysim.core.errors import Interrupted, RunFailed, UserError
+from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TrainingDiverged, UserError, first_line
 from raysim.engine.metrics import MetricsWriter
 from raysim.app.progress import LiveBoard, ProgressCallback, live_terminal
 from raysim.app.rundir import RunLock, has_progress, holds_run_of, plan
@@ -33,19 +34,25 @@ def default_run_dir(cfg: ExperimentConfig) -> str:
 
 
 def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = None,
-        progress: bool = True, resume: bool = False) -> list[FederationResult]:
+        progress: bool = True, resume: bool = False, debug: bool = False) -> list[FederationResult]:
     """Run every method of ``cfg`` (once per seed of ``cfg.seeds``) on the same data; return one
     FederationResult per federation. With ``resume``, federations already finished are skipped and the
     others continue from their last checkpoint. ``out`` holding a run of this same config that got
     somewhere resumes it too (so a supervisor reruns the same command); another config's run is
-    refused. One writer per folder: ``out/raysim.lock`` (raysim.app.rundir.RunLock)."""
+    refused. One writer per folder: ``out/raysim.lock`` (raysim.app.rundir.RunLock).
+
+    A federation whose method raises (a bug) or diverges stops alone: the others run to the end,
+    the summary shows what finished, then :class:`MethodFailed` (or the divergence's UserError)
+    names what failed. Any other error, Ctrl-C or SIGTERM ends every federation within seconds.
+    ``debug``: no Ray at all; every federation in this process, one after another (the InProcess
+    backend), so ``breakpoint()`` and pdb work inside a method."""
     import ray
 
     from raysim.engine.cluster import no_leftover_ray_processes
 
     check_methods(cfg)
     run_dir = out or default_run_dir(cfg)
-    own_ray = not ray.is_initialized()  # a Ray node this call starts, and ends, itself (or a joined cluster)
+    own_ray = not ray.is_initialized() and not debug  # a Ray node this call starts, and ends, itself
     try:
         with writing(run_dir):
             os.makedirs(run_dir, exist_ok=True)
@@ -54,14 +61,15 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
                 resume = True
                 if progress:
                     print(f"raysim: {run_dir} holds a run of this config: continuing it", file=sys.stderr)
-            return _run(cfg, run_dir, address, progress, resume)
+            return _run(cfg, run_dir, address, progress, resume, debug)
     except KeyboardInterrupt as err:
         hint = (f"; resume with: raysim run --resume {run_dir}" if os.path.isfile(os.path.join(run_dir, "config.yaml"))
                 and has_progress(run_dir) else "")
         raise Interrupted(f"interrupted{hint}", signal=getattr(err, "signal", 2)) from None
 
 
-def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool) -> list[FederationResult]:
+def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool,
+         debug: bool = False) -> list[FederationResult]:
     from raysim.app import report
     from raysim.engine.cluster import quiet_worker_death_notices, ray_session
 
@@ -75,38 +83,66 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
     board = LiveBoard(title=f"raysim {cfg.name or '-'.join(names)}") if progress and jobs and live_terminal() else None
     if resume and not jobs and progress:
         print(f"raysim: every federation in {run_dir} has finished; its summary is rendered again", file=sys.stderr)
-    results = []
+    results, failed = [], []
     if jobs:  # a finished run's rerun only renders its summary again: no Ray
-        with ray_session(address or cfg.runtime.address, cfg.runtime, methods=cfg.method_names()):
-            quiet_worker_death_notices()
+        ray_or_not = contextlib.nullcontext() if debug else ray_session(address or cfg.runtime.address, cfg.runtime,
+                                                                         methods=cfg.method_names())
+        with ray_or_not:
+            if not debug:
+                quiet_worker_death_notices()
             try:
                 if board is not None:
                     board.start()
-                results = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board,
-                                           top=run_dir)
+                results, failed = _run_federations(jobs, progress, resume, show_seed=bool(cfg.seeds), board=board,
+                                                   top=run_dir, debug=debug)
             finally:
                 if board is not None:
                     board.stop()
-    try:
-        text = report.render(run_dir)
-    except WriteFailed as err:
-        raise RunFailed(f"{err}; every federation finished and its metrics.parquet is intact; render the "
-                        f"summary again with: raysim report {run_dir}") from None
-    log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
-    if progress:
-        print(text)
-        print(f"run directory: {run_dir}")
+    if len(failed) == len(jobs) == 1:  # one federation: its own error, traceback and all
+        raise failed[0][1]
+    text = None
+    if len(failed) < len(jobs) or not jobs:
+        try:
+            text = report.render(run_dir)
+        except WriteFailed as err:
+            raise RunFailed(f"{err}; every federation finished and its metrics.parquet is intact; render the "
+                            f"summary again with: raysim report {run_dir}") from None
+        log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
+        if progress:
+            print(text)
+            print(f"run directory: {run_dir}")
+    if failed:
+        raise _failed_federations(failed, len(jobs), run_dir, rendered=text is not None)
     return results
+
+
+# A federation's own failure, which ends it alone: its method's bug, or its training diverging
+OWN_FAILURES = (MethodFailed, TrainingDiverged)
+STOP_GRACE_S = 5.0  # how long the driver waits for the other federations to end on a stop
+
+
+def _failed_federations(failed: list, total: int, run_dir: str, rendered: bool) -> Exception:
+    """The one error for federations that failed on their own, the others finished: a method's
+    bug (exit 1) before a divergence (a user's setting, exit 2)."""
+    names = "; ".join(f"{os.path.relpath(sub, run_dir)}: {getattr(err, 'short', None) or first_line(err)}"
+                      for sub, err in failed)
+    done = (f"the other {total - len(failed)} finished and summary.md shows them; " if rendered else "")
+    line = (f"{len(failed)} of {total} federations failed ({names}); {done}fix, then rerun the same command "
+            "(finished federations are kept)")
+    if any(isinstance(err, MethodFailed) for _, err in failed):
+        return MethodFailed(line)
+    return UserError(line)
 
 
 def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True, on_round=None,
                show_seed: bool = False, backend=None, board: LiveBoard | None = None,
-               top: str | None = None) -> FederationRun:
+               top: str | None = None, stop=None) -> FederationRun:
     """One federation with the driver's callbacks: metrics.parquet, a progress line (a row of
     ``board``, the driver's live table, if given), and ``on_round(round, summary, evaluation or
     None)`` if given (Tune reports through it).
     ``backend=raysim.engine.backend.InProcess()`` runs it without Ray actors (debugging).
-    ``top``: the folder the command was given, which its resume hints name (default ``run_dir``)."""
+    ``top``: the folder the command was given, which its resume hints name (default ``run_dir``);
+    ``stop``: a ``threading.Event`` that ends the federation early (raysim.engine.loop.FederationRun)."""
     holdout = (cfg.data.partition or {}).get("holdout")
     method = method_keys(cfg)[0]
     label = method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
@@ -116,7 +152,7 @@ def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True,
                  *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
         callbacks.append(RoundFunction(on_round))
-    fed = FederationRun(cfg, run_dir, callbacks, backend)
+    fed = FederationRun(cfg, run_dir, callbacks, backend, stop=stop)
     fed.resume_dir = top or run_dir
     return fed
 
@@ -137,41 +173,88 @@ def run_method(cfg: ExperimentConfig, run_dir: str, progress: bool = True, on_ro
 
 
 def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool = False,
-                     board: LiveBoard | None = None, top: str | None = None) -> list[FederationResult]:
+                     board: LiveBoard | None = None, top: str | None = None,
+                     debug: bool = False) -> tuple[list[FederationResult], list[tuple[str, Exception]]]:
     """Run the federations one after another, or as many at once as the cluster fits: they are
-    independent (every draw is keyed by seed, round and client), so the results are the same."""
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+    independent (every draw is keyed by seed, round and client), so the results are the same.
 
+    Returns (the finished federations' results, [(folder, error)] of those that failed on their
+    own: :data:`OWN_FAILURES`, each said on stderr as it happens). Any other error, Ctrl-C or
+    SIGTERM sets ``stop``: every federation still running ends within a second or two (they are
+    waited for, at most ``STOP_GRACE_S``, before Ray is shut down), and the error is raised."""
+    import queue
+
+    from raysim.engine.backend import InProcess
     from raysim.engine.cluster import parallel_slots
 
-    slots = parallel_slots(jobs[0][0], len(jobs)) if jobs else 1
-    if slots <= 1:
-        return [federation(one, sub, progress, show_seed=show_seed, board=board, top=top).run(resume=resume)
-                for one, sub in jobs]
-    if progress and board is None:
-        print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
+    stop = threading.Event()
+    results, failed = {}, []
 
-    def one_federation(one, sub):
-        result = federation(one, sub, "lines" if progress else False, show_seed=show_seed,
-                            board=board, top=top).run(resume=resume)
-        if progress and board is None:  # on the live table, the row says so
+    def own_failure(sub: str, err: Exception) -> None:
+        failed.append((sub, err))
+        if len(jobs) > 1:  # one federation alone: the CLI prints it
+            text = getattr(err, "traceback", "")
+            print((text.rstrip() + "\n" if text else "") + f"raysim: {os.path.relpath(sub)}: {first_line(err)}",
+                  file=sys.stderr)
+
+    def one_federation(one, sub, lines):
+        result = federation(one, sub, lines, show_seed=show_seed, board=board, top=top, stop=stop,
+                            backend=InProcess() if debug else None).run(resume=resume)
+        if lines == "lines" and board is None:  # on the live table, the row says so
             print(f"raysim: {os.path.relpath(sub)} done: {result.rounds_done} rounds in {result.seconds:.0f} s",
                   file=sys.stderr)
         return result
 
-    pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="federation")
+    slots = 1 if debug or not jobs else parallel_slots(jobs[0][0], len(jobs))
     try:
-        futures = [pool.submit(one_federation, one, sub) for one, sub in jobs]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:
-            if f in done and f.exception() is not None:
-                raise f.exception()
-        return [f.result() for f in futures]
+        if slots <= 1:
+            for i, (one, sub) in enumerate(jobs):
+                try:
+                    results[i] = one_federation(one, sub, progress)
+                except OWN_FAILURES as err:
+                    own_failure(sub, err)
+            return list(results.values()), failed
+        if progress and board is None:
+            print(f"raysim: running {len(jobs)} federations, {slots} at a time", file=sys.stderr)
+        ended: queue.Queue = queue.Queue()  # (job index, result, error) as each federation ends
+
+        def in_thread(i: int, one, sub) -> None:
+            try:
+                ended.put((i, one_federation(one, sub, "lines" if progress else False), None))
+            except BaseException as err:  # noqa: BLE001 -- handed to the driver's thread
+                ended.put((i, None, err))
+
+        started = running = 0
+        try:
+            while started < len(jobs) or running:
+                while running < slots and started < len(jobs):  # daemon threads: an ending driver never waits
+                    threading.Thread(target=in_thread, args=(started, *jobs[started]), daemon=True,
+                                     name=f"federation-{started}").start()
+                    started, running = started + 1, running + 1
+                try:
+                    i, result, err = ended.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                running -= 1
+                if err is None:
+                    results[i] = result
+                elif isinstance(err, OWN_FAILURES):
+                    own_failure(jobs[i][1], err)
+                else:
+                    raise err
+            return [results[i] for i in sorted(results)], failed
+        finally:
+            stop.set()  # a no-op once all are done; else every federation still running ends now
+            deadline = time.monotonic() + STOP_GRACE_S
+            while running and time.monotonic() < deadline:
+                try:
+                    ended.get(timeout=max(0.0, deadline - time.monotonic()))
+                    running -= 1
+                except queue.Empty:
+                    break
     except KeyboardInterrupt as err:
         hint = f"; resume with: raysim run --resume {top}" if top else ""
         raise Interrupted(f"interrupted; finished federations are kept{hint}", signal=getattr(err, "signal", 2)) from None
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:

@@ -40,12 +40,14 @@ class MethodFailed(RunFailed):
     fault to replay. ``traceback`` is the method's traceback as text (its file and line); the CLI
     prints it after the one-line message and exits with 1."""
 
-    def __init__(self, message: str, traceback: str = ""):
+    def __init__(self, message: str, traceback: str = "", short: str = ""):
         super().__init__(message)
         self.traceback = traceback
+        self.short = short or message
+        """``Type: message, where``: what a list of several failures shows of it."""
 
     def __reduce__(self):  # survives the trip through Ray and a thread pool
-        return (MethodFailed, (str(self), self.traceback))
+        return (MethodFailed, (str(self), self.traceback, self.short))
 
 
 class Terminated(KeyboardInterrupt):

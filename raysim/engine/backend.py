@@ -9,6 +9,7 @@ one-line user error naming the operation and the model (:mod:`raysim.engine.dete
 """
 from __future__ import annotations
 
+from raysim.core.errors import first_line
 from raysim.engine import cluster
 
 
@@ -25,8 +26,8 @@ class RayActors:
     def server(self, cfg):
         import ray
         from raysim.engine.server import Server
-        return ray.remote(Server).options(num_cpus=cfg.runtime.server_cpus,
-                                          scheduling_strategy=cluster.server_placement()).remote(cfg)
+        return cluster.health_checked(Server).options(num_cpus=cfg.runtime.server_cpus,
+                                                      scheduling_strategy=cluster.server_placement()).remote(cfg)
 
     def launch_pool(self, cfg, num_hosts: int):
         self.model = cfg.model.name
@@ -52,15 +53,51 @@ class RayActors:
                 raise
             raise user from None
 
-    def wait(self, refs: list) -> tuple[list, list]:
-        """(the refs done, the others) as soon as at least one is done."""
+    def wait(self, refs: list, timeout: float | None = None) -> tuple[list, list]:
+        """(the refs done, the others) as soon as at least one is done, or after ``timeout`` seconds."""
         import ray
-        return ray.wait(refs, num_returns=1)
+        return ray.wait(refs, num_returns=1, timeout=timeout)
+
+    def pending(self, refs, timeout: float) -> list:
+        """The refs of ``refs`` (one, or a list) not done after waiting up to ``timeout`` seconds."""
+        import ray
+        flat = refs if isinstance(refs, list) else [refs]
+        if not flat:
+            return []
+        return ray.wait(flat, num_returns=len(flat), timeout=timeout)[1]
 
     def lost(self) -> tuple:
-        """The exceptions that mean an actor (or an object it held) is gone."""
+        """The exceptions that mean an actor (or an object it held) is gone, or that the code it
+        ran raised (:meth:`is_code_error` tells them apart)."""
         import ray
         return ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError
+
+    def is_code_error(self, err: BaseException) -> bool:
+        """Whether ``err`` is an exception raised by the code an actor ran (a method's bug), not
+        a lost process, node or object (those are Ray's own errors, also as a task's cause)."""
+        import ray
+        cause = getattr(err, "cause", None)
+        return (isinstance(err, ray.exceptions.RayTaskError)
+                and not isinstance(cause, (ray.exceptions.RayError, KeyboardInterrupt, SystemExit)))
+
+    def out_of_memory(self, err: BaseException) -> bool:
+        """Whether Ray's memory monitor killed the actor (its OutOfMemoryError, also as a cause)."""
+        import ray
+        return isinstance(err, ray.exceptions.OutOfMemoryError) or isinstance(
+            getattr(err, "cause", None), ray.exceptions.OutOfMemoryError)
+
+    def traceback(self, err: BaseException) -> str:
+        """The traceback of a code error as text: the remote one Ray carried (the method's file
+        and line), without Ray's colour codes."""
+        import ray
+        if isinstance(err, ray.exceptions.RayTaskError):
+            return cluster.remote_traceback(err)
+        return InProcess.traceback(self, err)
+
+    def error_line(self, err: BaseException) -> str:
+        """``Type: first line`` of a code error (of its cause, for one raised in an actor)."""
+        cause = getattr(err, "cause", None) or err
+        return first_line(cause, with_type=True, limit=300)
 
 
 class _Done:
@@ -138,11 +175,18 @@ class InProcess(RayActors):
     def get(self, refs):
         return [_value(r) for r in refs] if isinstance(refs, list) else _value(refs)
 
-    def wait(self, refs: list) -> tuple[list, list]:
+    def wait(self, refs: list, timeout: float | None = None) -> tuple[list, list]:
         return list(refs), []
+
+    def pending(self, refs, timeout: float) -> list:
+        return []
 
     def alive(self, actor) -> bool:
         return True
 
     def lost(self) -> tuple:
         return ()
+
+    def traceback(self, err: BaseException) -> str:
+        import traceback
+        return "".join(traceback.format_exception(err))

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from raysim.core.errors import TrainingDiverged, UserError, first_line
+from raysim.core.errors import Interrupted, TrainingDiverged, TryLater, UserError, first_line
 from raysim.core.files import write_json
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
@@ -43,15 +43,85 @@ def ray_session(address: str | None, runtime=None, methods=()):
         return
     runtime_env = job_runtime_env(methods)
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        join_cluster(address, runtime_env=runtime_env)
-    else:
-        start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0,
-                        runtime_env=runtime_env)
+    no_second_ray_instance()
+    with own_signal_handlers():
+        if address:
+            join_cluster(address, runtime_env=runtime_env)
+        else:
+            start_local_ray(os.cpu_count(), niceness=runtime.worker_niceness if runtime is not None else 0,
+                            runtime_env=runtime_env)
+            private_session_folder()
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted, TryLater):
+        shutdown(bounded=True)
+        raise
+    except BaseException:
+        shutdown()
+        raise
+    shutdown()
+
+
+SHUTDOWN_BROKEN_S = 2.0  # how long ray.shutdown may take on a node whose raylet or GCS is gone
+
+
+def shutdown(bounded: bool = False) -> None:
+    """``ray.shutdown``; ``bounded`` (the driver ends on a signal), or where this driver's Ray node
+    lost its raylet or GCS, it may take ``SHUTDOWN_BROKEN_S``: a SIGTERM to the process group, as
+    ``scancel`` or a pod's end sends, ends Ray's own processes with the driver, and Ray then waits
+    ~8 s on processes and a GCS that are gone. What is left of the node is ended by
+    :func:`no_leftover_ray_processes`."""
+    import threading
+
+    import ray
+
+    if not bounded and local_ray_failure() is None:
+        ray.shutdown()
+        return
+    quitting = threading.Thread(target=ray.shutdown, name="raysim-ray-shutdown", daemon=True)
+    quitting.start()
+    quitting.join(SHUTDOWN_BROKEN_S)
+
+
+def no_second_ray_instance() -> None:
+    """Turn off Ray's auto-init in this driver: after ``ray.shutdown`` (a comparison ending on an
+    error or Ctrl-C), a federation thread's last ``ray.get`` or ``ray.put`` would otherwise start a
+    fresh local Ray instance and wait a minute for a GCS that is gone. One Ray instance per driver."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
+@contextlib.contextmanager
+def own_signal_handlers():
+    """Keep this process's SIGTERM and SIGINT handlers across ``ray.init``, which replaces SIGTERM's
+    with ``sys.exit(15)`` (Ray 2.60, ``ray/_private/worker.py``): a real SIGTERM would then abort
+    the driver with a C++ stack dump (exit 134) instead of raysim's resume line and exit 143."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        ray.shutdown()
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def private_session_folder() -> None:
+    """Ray's session folder (its logs, sockets and the job's files) readable by this user only:
+    Ray creates it with the umask's permissions, usually world-readable."""
+    import ray
+
+    try:
+        folder = ray._private.worker._global_node.get_session_dir_path()
+        os.chmod(folder, 0o700)
+    except (AttributeError, OSError):  # Ray's internals moved, or not ours to change: left as Ray made it
+        pass
 
 
 def job_runtime_env(methods=()) -> dict | None:
@@ -175,17 +245,76 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
         pg = own_pg = placement_group(host_bundles(cfg, num_hosts), strategy="PACK")
         first_bundle = 0
         ready, _ = ray.wait([pg.ready()], timeout=rt.pg_timeout_s)
-        if not ready:
+        if not ready:  # the cluster has the resources (check_resources) but not free now: try later
             ray.util.remove_placement_group(pg)
-            raise UserError(f"could not reserve {num_hosts} hosts x {host_bundles(cfg, 1)[0]} within "
-                            f"{rt.pg_timeout_s:g}s; the cluster has {ray.available_resources()} free")
-    actor = ray.remote(ClientHost)
+            raise TryLater(f"could not reserve {num_hosts} hosts x {host_bundles(cfg, 1)[0]} within "
+                           f"{rt.pg_timeout_s:g}s; the cluster has {_free()} free (busy, or a node was lost "
+                           "and not yet replaced); rerun the same command later (cluster/supervise.sh does)")
+    actor = health_checked(ClientHost)
     hosts = []
     for h in range(num_hosts):
         opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host, **actor_options(rt),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
         hosts.append(actor.options(**opts).remote(h, cfg, num_hosts))
     return hosts, [h.start.remote() for h in hosts], own_pg
+
+
+def _free() -> str:
+    import ray
+    free = ray.available_resources()
+    return ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU") if k in free or k == "CPU")
+
+
+HEALTH = "health"  # the actors' concurrency group for health checks
+
+
+def health_checked(cls):
+    """``ray.remote(cls)`` with a second thread that answers :func:`silent`'s health checks while
+    the actor's one training thread is busy (its calls still run one at a time, in order): so a
+    check tells a stopped or wedged process (no answer) from a busy one."""
+    import ray
+    return ray.remote(concurrency_groups={HEALTH: 1})(cls)
+
+
+def silent(actors: dict, timeout: float) -> list:
+    """The keys of ``actors`` ({name: handle}) that do not answer a health check within ``timeout``
+    seconds (checked at once); a dead actor counts as silent."""
+    import ray
+
+    refs = {}
+    for name, actor in actors.items():
+        try:
+            refs[name] = actor.ping.options(concurrency_group=HEALTH).remote()
+        except Exception:  # noqa: BLE001 -- a handle Ray no longer knows: as good as silent
+            refs[name] = None
+    pending = [r for r in refs.values() if r is not None]
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout) if pending else ([], [])
+    answered = set()
+    for name, ref in refs.items():
+        if ref is not None and ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+                answered.add(name)
+            except Exception:  # noqa: BLE001 -- died meanwhile
+                pass
+    return [name for name in actors if name not in answered]
+
+
+def local_ray_failure() -> str | None:
+    """Why this driver's own Ray node can no longer run anything (its raylet or GCS process
+    exited), or None. Only for a Ray instance this process started; a joined cluster's processes
+    are not this driver's to watch."""
+    try:
+        import ray
+        node = ray._private.worker._global_node
+        dead = node.dead_processes() if node is not None else []
+    except Exception:  # noqa: BLE001 -- Ray's internals moved: nothing to say
+        return None
+    for kind, process in dead:
+        if kind in ("raylet", "gcs_server"):
+            what = "GCS (its control store)" if kind == "gcs_server" else "raylet"
+            return f"Ray's {what} on this machine exited (pid {process.pid}, status {process.returncode})"
+    return None
 
 
 def await_pool(hosts: list, starts: list, num_clients: int, run_dir: str | None = None) -> list[dict]:
@@ -263,13 +392,26 @@ def ray_get(refs):
         raise
 
 
+def remote_traceback(err) -> str:
+    """A RayTaskError's remote traceback as plain text: the actor's line (``ray::ClientHost.train_clients()
+    (pid=..., ...)``) cut to the call and its pid, then the frames and the error as Python printed them."""
+    lines = _ANSI.sub("", str(err)).splitlines()
+    # a call whose argument was another call's failure carries that one's traceback: keep the innermost
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("ray::") or "RayTaskError: ray::" in ln]
+    if starts:
+        lines = lines[starts[-1]:]
+        lines[0] = lines[0][lines[0].index("ray::"):]
+    if lines and lines[0].startswith("ray::"):
+        call = lines[0].split(" (", 1)
+        pid = re.search(r"pid=(\d+)", lines[0])
+        lines[0] = f"Traceback in {call[0]}" + (f" (pid {pid.group(1)})" if pid else "") + ":"
+    body = [ln for ln in lines if ln.strip() and set(ln.strip()) - set("^~")]
+    return "\n".join(body) + "\n"
+
+
 def alive(actor, timeout: float = 30.0) -> bool:
-    import ray
-    try:
-        ray.get(actor.ping.remote(), timeout=timeout)
-        return True
-    except Exception:
-        return False
+    """Whether ``actor`` answers a health check (its health thread: a busy actor answers too)."""
+    return not silent({0: actor}, timeout)
 
 
 def server_placement():
@@ -329,9 +471,17 @@ def plain_reason(err: BaseException) -> str:
         reason = why.group(1).strip()
     else:
         lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("ray::")]
-        reason = lines[0][:160] if lines else type(err).__name__
+        reason = _cut(lines[0], 160) if lines else type(err).__name__
     pid = re.search(r"\bpid[:=] ?(\d+)", text)
     return f"{reason}, pid {pid.group(1)}" if pid else reason
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word's end, with "…" where it was cut."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 1]
+    return (head.rsplit(" ", 1)[0] if " " in head else head).rstrip(" ,;:") + "…"
 
 
 def quiet_worker_death_notices() -> None:

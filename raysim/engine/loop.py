@@ -7,6 +7,12 @@ draw is keyed by (seed, round, client), so the metrics come out identical to an 
 Up to ``runtime.max_restarts`` losses in a row without progress are replaced; the count starts
 again once a round past the furthest one that failed completes (a fault window, not a run budget).
 
+Every wait on the actors has a deadline (:mod:`raysim.engine.watchdog`): a stopped or wedged
+actor is treated as lost, and a driver whose own Ray node is gone ends with exit 75 for a
+supervisor to rerun. An exception raised by the method's code (or raysim's) on a host or the
+server is a bug, not a fault: it is never replayed; the federation stops with its traceback,
+printed and written to ``RUN_DIR/error.txt`` (:class:`raysim.core.errors.MethodFailed`).
+
 Checkpoints: after every ``checkpoint.every``-th round and whenever ``checkpoint.minutes`` of wall
 time passed since the last one (the interval stretched to 20 x the last write's time), so a lost
 driver or server costs at most that much work.
@@ -23,13 +29,14 @@ from dataclasses import dataclass
 from raysim.engine import checkpoint
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
-from raysim.core.errors import Interrupted, RunFailed
+from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError
 from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
 from raysim.engine.backend import RayActors
 from raysim.engine.balance import plan_for
-from raysim.engine.cluster import owner_of, plain_reason
+from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
+from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
 
 CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
@@ -68,11 +75,16 @@ class Callback:
 class FederationRun:
     """One federation of ``cfg`` (a single method, seed and held-out domain) in ``run_dir``."""
 
-    def __init__(self, cfg, run_dir: str, callbacks=(), backend=None):
-        """``backend``: where the server and hosts live (Ray actors by default; see runtime.backend)."""
+    def __init__(self, cfg, run_dir: str, callbacks=(), backend=None, stop=None):
+        """``backend``: where the server and hosts live (Ray actors by default; InProcess for
+        debugging); ``stop``: a ``threading.Event`` the driver sets to end this federation early
+        (another federation of the comparison failed, Ctrl-C): it ends within a second."""
         self.cfg, self.run_dir = cfg, run_dir
         self.callbacks = list(callbacks)
         self.backend = backend or RayActors()
+        self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, stop=stop, warn=_warn, node_failure=local_ray_failure)
+        self.doing = "start-up"  # what the driver waits on, for the watchdog's lines
+        self.starting = True  # actors are (re)starting: the watchdog gives them a start-up floor
         self.server = None
         self.hosts, self.pg = [], None
         self._unawaited = []  # start() refs of hosts launched before the server was ready
@@ -107,6 +119,7 @@ class FederationRun:
             self.requests = eval_requests(cfg, eval_clients(cfg, self.n), self.info)
             rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
             startup = time.perf_counter() - t_start
+            self.starting = False
             for cb in self.callbacks:
                 cb.on_start(self)
             self._ckpt_at = time.monotonic()
@@ -122,6 +135,7 @@ class FederationRun:
                 self.faults.completed(rnd)
                 last_eval = evaluation or last_eval
                 round_seconds.append(time.perf_counter() - t0)
+                self.watchdog.observe(round_seconds[-1])
                 for cb in self.callbacks:
                     cb.on_round(rnd, summary, evaluation, self.log)
                 rnd += 1
@@ -138,12 +152,25 @@ class FederationRun:
                                 last_eval, self.host_restarts, self.server_restarts)
 
     def _failure(self, err: BaseException, rnd: int) -> BaseException:
-        """What the run raises for ``err``: Ctrl-C and failed writes as one line with what is intact
-        and how to resume; anything else as it is."""
+        """What the run raises for ``err``: Ctrl-C, lost actors and failed writes as one line with
+        what is intact and how to resume; a lost local Ray node as TryLater (exit 75); an exception
+        of the method's code (or raysim's) as MethodFailed with its traceback, also written to
+        ``error.txt``; a stop the driver asked for, user errors and run failures as they are."""
         where = f"in round {rnd}" if rnd else "during start-up"
         if isinstance(err, KeyboardInterrupt):
             return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=getattr(err, "signal", 2))
-        if isinstance(err, self.backend.lost()):  # before the loop, where nothing replaces them
+        if isinstance(err, (Stopped, UserError, RunFailed)) or not isinstance(err, Exception):
+            return err
+        if isinstance(err, NodeGone):
+            return TryLater(f"{err}; the federation stopped {where}; rerun the same command when Ray is back "
+                            f"(cluster/supervise.sh does); {self._resume_hint()}")
+        if isinstance(err, self.backend.lost()) and not self.backend.is_code_error(err):  # before the loop
+            if self.backend.out_of_memory(err) and not rnd:
+                return RunFailed(f"out of memory {where}: Ray's memory monitor killed "
+                                 f"{'the Server' if self.server is None or not self.backend.alive(self.server) else 'a ClientHost'} "
+                                 "while it loaded the data; lower runtime.num_hosts (each host loads its clients' "
+                                 "data and a model), data.options.image_size or the partition's size, or run "
+                                 "on a machine with more memory")
             err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server))
         if isinstance(err, ActorLost):
             return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
@@ -151,7 +178,21 @@ class FederationRun:
             err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
         if isinstance(err, WriteFailed):
             return RunFailed(f"{err}; {checkpoint.intact(self.run_dir)}; {self._resume_hint()}")
-        return err
+        return self._bug(err, where)
+
+    def _bug(self, err: Exception, where: str) -> MethodFailed:
+        """A method's (or raysim's) exception: its traceback into ``error.txt``, not replayed."""
+        text = self.backend.traceback(err)
+        path = os.path.join(self.run_dir, "error.txt")
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(f"{self.cfg.method} raised {where}:\n\n{text}")
+        except OSError:
+            path = None
+        what = self.backend.error_line(err)
+        saved = f"the traceback is above and in {path}" if path else "the traceback is above"
+        return MethodFailed(f"{self.cfg.method} failed {where}: {what} ({saved}); an error in code is not "
+                            f"replayed: fix it, then {self._resume_hint()}", text, short=f"{what}, {where}")
 
     def _end(self, failure: BaseException | None) -> None:
         """The callbacks' on_end and the actors' end. After a failure, their own errors are dropped
@@ -162,6 +203,10 @@ class FederationRun:
                 cb.on_end(self.log)
             except Exception as err:
                 first = first or err
+        if isinstance(failure, (Interrupted, Stopped, TryLater)):
+            # the driver is ending and shuts Ray down, which ends the actors; a call to Ray now may
+            # never return (a SIGTERM to the process group, as scancel sends, also ends Ray's own processes)
+            return
         try:
             self._stop()
         except Exception as err:
@@ -203,6 +248,7 @@ class FederationRun:
     # ------------------------------------------------------------------ one round
     def _round(self, rnd: int) -> tuple[RoundSummary, dict | None]:
         cfg, server = self.cfg, self.server
+        self.doing = f"round {rnd}"
         sampled = self._call(server.sample.remote(rnd))
         while isinstance(sampled, LossQuery):  # the method's select asked for the candidates' local losses
             sampled = self._call(server.sample.remote(rnd, self._local_losses(sampled)))
@@ -267,7 +313,7 @@ class FederationRun:
         for h in range(len(self.hosts)):
             feed(h)
         while running:
-            ready, _ = self.backend.wait(list(running))
+            ready = self._first_done(list(running))
             for ref in ready:
                 h, owner = running.pop(ref)
                 done: TrainedClients = self._call(ref)
@@ -277,11 +323,49 @@ class FederationRun:
                 feed(h)
         return [host.end_round.remote(rnd) for host in self.hosts], returned
 
-    def _call(self, refs):
-        """The results of ``refs``; a lost server or host raises :class:`ActorLost` (recoverable)."""
+    def _actors(self) -> dict:
+        """{name: handle} of every actor the federation has now (what the watchdog checks)."""
+        out = {} if self.server is None else {"the Server": self.server}
+        out.update({f"ClientHost {h}": actor for h, actor in enumerate(self.hosts)})
+        return out
+
+    def _first_done(self, refs: list) -> list:
+        """The refs done, as soon as one is (under the watchdog's deadline)."""
+        done = []
+
+        def waiting(timeout: float) -> bool:
+            done[:] = self.backend.wait(refs, timeout)[0]
+            return not done
+
+        self._watched(waiting)
+        return done
+
+    def _watched(self, waiting) -> None:
+        """Wait while ``waiting(timeout)`` is true, under the watchdog: a stalled actor is
+        killed and raised as lost."""
         try:
+            self.watchdog.wait(waiting, self._actors(), self.doing, starting=self.starting)
+        except Stalled as err:
+            self._kill_stalled(err)
+
+    def _kill_stalled(self, err: Stalled):
+        hosts = sorted(int(n.rsplit(" ", 1)[1]) for n in err.names if n.startswith("ClientHost "))
+        server = "the Server" in err.names
+        _warn(f"raysim: {' and '.join(err.names)} missed the deadline: {err.reason}; killing "
+              f"{'them' if len(err.names) > 1 else 'it'}")
+        for name in err.names:
+            self.backend.kill(self._actors()[name])
+        raise ActorLost(hosts, err.reason, server=server) from None
+
+    def _call(self, refs):
+        """The results of ``refs``; a lost, stopped or wedged server or host raises
+        :class:`ActorLost` (recoverable), an exception of the code they run MethodFailed (not)."""
+        try:
+            self._watched(lambda timeout: bool(self.backend.pending(refs, timeout)))
             return self.backend.get(refs)
         except self.backend.lost() as err:
+            if self.backend.is_code_error(err):
+                raise
             reason = plain_reason(err)
             if not self.backend.alive(self.server):
                 raise ActorLost([], reason, server=True) from None
@@ -302,6 +386,7 @@ class FederationRun:
                                 f"{self._resume_hint()}")
             ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
             start = f"the checkpoint of round {ckpt['round']}" if ckpt else "round 1"
+            self.doing, self.starting = f"the replacement after round {rnd}'s loss", True
             _warn(f"raysim: warning: {lost.what} was lost in round {rnd} ({lost.reason}); replacing it and "
                   f"replaying from {start} (restart {self.faults.count} of {self.faults.limit})")
             try:
@@ -316,10 +401,14 @@ class FederationRun:
                     if ckpt is None:
                         self._call(self.server.reset.remote())
                 self._start_hosts()
-                return self._restore(ckpt)
+                restored = self._restore(ckpt)
+                self.starting = False
+                return restored
             except ActorLost as again:  # lost again while replacing: the same fault window
                 lost = again
             except self.backend.lost() as err:
+                if self.backend.is_code_error(err):
+                    raise
                 lost = ActorLost([], plain_reason(err), server=not self.backend.alive(self.server))
 
     def _checkpoint_due(self, rnd: int) -> bool:
@@ -348,6 +437,7 @@ class FederationRun:
 
     def _checkpoint(self, rnd: int) -> None:
         t0 = time.monotonic()
+        self.doing = f"the checkpoint of round {rnd}"
         server_state = self._call(self.server.export_state.remote())
         clients = {}
         for host_records in self._call([h.export_states.remote() for h in self.hosts]):

@@ -166,6 +166,36 @@ def test_host_and_server_killed_mid_round_are_replaced_and_metrics_are_identical
     assert metrics(fed.run_dir).equals(undisturbed)
 
 
+def test_a_stopped_host_and_a_stopped_server_are_detected_within_the_deadline_and_replayed(undisturbed, tmp_path,
+                                                                                          capsys):
+    """SIGSTOP (what a wedged GPU kernel, an NFS stall or a deadlock look like from outside): the
+    actor's health thread stops answering, the wait misses its deadline, the actor is killed,
+    replaced and the federation replayed to the undisturbed metrics."""
+    import time
+
+    import ray
+
+    stopped = {}
+
+    def stop(rnd, summary, evaluation):
+        for at, who in ((2, "host"), (4, "server")):  # once each (the replays pass these rounds again)
+            if rnd == at and who not in stopped:
+                actor = fed.hosts[1] if who == "host" else fed.server
+                pid = ray.get(actor.ready.remote())["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                stopped[who] = time.monotonic()
+
+    deadline_s = 4.0
+    fed = federation(cfg(f"runtime.stall_timeout_s={deadline_s}"), str(tmp_path / "run"), progress=False,
+                     on_round=stop)
+    result = fed.run()
+    assert (result.host_restarts, result.server_restarts) == (1, 1)
+    assert metrics(fed.run_dir).equals(undisturbed)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "missed the deadline" in ln]
+    assert len(lines) == 2 and "ClientHost 1" in lines[0] and "the Server" in lines[1], lines
+    assert all(f"no answer to a health check for {deadline_s:.0f} s" in ln for ln in lines), lines
+
+
 def test_the_same_command_on_a_finished_run_renders_it_again(undisturbed_dir, tmp_path, capsys):
     """Rerunning a finished run (or --resume on it) starts no federation and no Ray."""
     import yaml
