@@ -417,6 +417,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raw.pop("variant", None)
         if path == ["methods"]:
             raw.pop("method", None)
+            raw.pop("variant", None)
         if path == ["seed"]:  # seed=N on the command line replaces a seeds list
             raw.pop("seeds", None)
     return raw

@@ -8,8 +8,8 @@ federation its method, hyperparameters off their defaults, server optimizer and 
 is labelled with what ran (``fedavg + server adam``). The headline is the round that
 ``eval.select`` picks in each federation (best validation AVG by default); the final round is
 always shown beside it, and the best *test* round only labelled as the selection that peeks at the
-test split; where those rounds coincide in every federation, one table says so. AVG is the mean over domains (the papers' AVG); the
-clients' mean, AVG_clients, is shown beside it wherever the two differ. Over several seeds every
+test split; where those rounds coincide in every federation, one table says so. AVG is the mean
+over domains (the papers' AVG); the clients' mean, AVG_clients, is shown beside it wherever the two differ. Over several seeds every
 cell is mean ± std (sample standard deviation, ddof 1), and each method is compared with the first
 one listed: the mean of the per-seed differences, how many seeds it wins and a paired t-test.
 """
@@ -25,7 +25,7 @@ from raysim.app import rundir
 from raysim.app.compare import beside_paper
 from raysim.app.plots import plot_curves, plot_time_curves, sim_clock
 from raysim.app.tables import (SELECT_LABELS, Ran, Summary, data_text, markdown_table, participation_text, pct,
-                                protocol_text, ran, select_rule, summarize)
+                                protocol_text, ran, select_rule, summarize, value_text)
 from raysim.core.errors import UserError
 from raysim.core.files import write_text
 
@@ -188,16 +188,15 @@ def lodo_markdown(runs: dict[str, dict], title: str = "", header: list[str] | No
     return "\n".join(out)
 
 
-def what_ran(dirs: dict[str, str]) -> list[str]:
+def what_ran(rans: list[Ran]) -> list[str]:
     """summary.md's opening: the data, rounds, seeds, participation and protocol (as the first
-    federation's config.yaml records them), then each federation's method, hyperparameters off
-    their defaults, server optimizer and selection, and the settings it alone has."""
-    rans = [ran(d) for d in dirs.values()]
+    federation's config.yaml records them), then each entry's method, hyperparameters off their
+    defaults, server optimizer and selection, and the settings it has unlike the first."""
     first = rans[0]
     out = ["## What ran", ""]
     cfg = first.config
     if cfg is not None:
-        seeds = [k for k in rundir.seed_dirs(next(iter(dirs.values())))]
+        seeds = list(rundir.seed_dirs(first.entry_dir))
         seeds = f"seeds {', '.join(str(k) for k in seeds)}" if seeds != [None] else f"seed {cfg.seed}"
         out += [f"- data: {data_text(cfg)}", f"- rounds: {cfg.rounds}; {seeds}",
                 f"- participation: {participation_text(first.folder, cfg)}",
@@ -218,15 +217,11 @@ def _federation_text(r: Ran, first: Ran) -> str:
     what.append(f"selection: {r.selection}")
     if r is not first and first.config is not None:  # what a variant or per_method sets apart from the first
         skip = ("method", "variant", "hp", "server", "seed", "name", "tracking", "checkpoint", "runtime", "paper")
-        own = [f"{k} {_value_text(b)}" for k, a, b in config_differences(
+        own = [f"{k} {value_text(b)}" for k, a, b in config_differences(
             first.config.to_dict(), r.config.to_dict(), skip=skip) if k != "data.partition.holdout"]
         if own:
             what.append("unlike the first: " + ", ".join(own))
     return "; ".join(what)
-
-
-def _value_text(v) -> str:
-    return "null" if v is None else str(v)
 
 
 # ----------------------------------------------------------------------------- render
@@ -265,8 +260,9 @@ def render(run_dir: str) -> str:
     if not dirs:
         raise UserError(f"no metrics.parquet found in {run_dir} or its method folders")
     title = os.path.basename(os.path.normpath(run_dir))
-    header = what_ran(dirs)
-    labels = {name: ran(d).label for name, d in dirs.items()}  # the rows say what ran
+    rans = {name: ran(d) for name, d in dirs.items()}
+    header = what_ran(list(rans.values()))
+    labels = {name: r.label for name, r in rans.items()}  # the rows say what ran
     panels: dict[str, list[pd.DataFrame]] = {}
     runs: dict[str, dict] = {}
     first: dict[str, tuple[str, pd.DataFrame]] = {}  # row -> (folder, metrics) of its first seed

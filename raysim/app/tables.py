@@ -6,6 +6,7 @@ defaults, server optimizer, selection; its row's label).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -97,22 +98,22 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return pd.DataFrame([[_cell(v) for v in r] for r in rows], columns=header).to_markdown(index=False, disable_numparse=True)
 
 
-
 # ----------------------------------------------------------------------------- what ran
 
 @dataclass
 class Ran:
     """What one federation ran, as its folder records it (config.yaml; hosts.json for the number of
     clients): the lines summary.md opens with, and the row's label."""
-    folder: str
-    name: str  # its folder's name: a variant's name, or the method's key
+    entry_dir: str  # the entry's folder in its run (the run folder itself for one entry)
+    folder: str  # its first federation's folder (first seed, first held-out domain)
+    name: str  # the entry's folder's name: a variant's name, or the method's key
     method: str  # the method (a plugin's module:Class)
     variant: str | None
     config: object | None  # its ExperimentConfig (None when its config.yaml does not load here)
     cls: type | None = None  # the method's class (None when it does not import here)
     hparams: list[str] = field(default_factory=list)  # "mu=1.0 (default 0.01)": those off their defaults
-    server: str = ""  # "adam: lr 0.01, betas 0.9/0.99, tau 0.001"
-    server_changed: str = ""  # "adam" / "sgd (lr 0.5)": where the config changed the method's own step
+    server: str = ""  # "adam (lr 0.01, betas [0.9, 0.99], tau 0.001); the method's own: sgd (lr 1)"
+    server_changed: str = ""  # "adam", "sgd lr 0.5": where the config changed the method's own step; "" if not
     selection: str = ""
 
     @property
@@ -126,18 +127,18 @@ class Ran:
 
 
 def ran(folder: str) -> Ran:
-    """:class:`Ran` of a federation's folder (or a method's folder: its first federation's)."""
+    """:class:`Ran` of an entry's folder in a run (what its first federation's folder records)."""
     from raysim.app import rundir
     from raysim.core.contract import Method
     from raysim.methods import registry
 
-    folder = first_federation(folder)
+    entry_dir, folder = folder, first_federation(folder)
     name, method, variant = rundir.name_of(folder), rundir.method_of(folder), rundir.variant_of(folder)
     try:
         cfg = rundir.read_config(folder)
     except UserError:
         cfg = None
-    out = Ran(folder, name, method, variant, cfg)
+    out = Ran(entry_dir, folder, name, method, variant, cfg)
     try:
         out.cls = registry.get(method)
     except Exception:  # a method (a plugin) that does not import here: its name only
@@ -146,15 +147,19 @@ def ran(folder: str) -> Ran:
         return out
     key = rundir.method_key(method)
     try:
-        out.hparams = _changed_hparams(out.cls, cfg.hp.get(key), key)
-    except UserError:
-        out.hparams = ["(hp does not load: raysim methods NAME lists them)"]
+        hp = out.cls.hparams_from(cfg.hp.get(key), prefix=f"hp.{key}")
+    except UserError:  # written by another version of the method
+        hp = None
+    out.hparams = _changed_hparams(out.cls, hp) if hp is not None else [f"(hp.{key} does not load here)"]
     if out.cls.aggregate is not Method.aggregate:
         out.server = "the method's own server step (no server optimizer)"
     else:
         out.server, out.server_changed = _server_line(out.cls, cfg.server, key)
-    out.selection = ("uniform at random among the online clients" if out.cls.select is Method.select else
-                     f"the method's own rule, with {', '.join(_all_hparams(out.cls, cfg.hp.get(key), key)) or 'no settings'}")
+    if out.cls.select is Method.select:
+        out.selection = "uniform at random among the online clients"
+    else:  # its rule's settings are its hyperparameters (Power-of-Choice's d): all of them, defaults too
+        settings = [f"{f.name}={value_text(getattr(hp, f.name))}" for f in dataclasses.fields(hp)] if hp else []
+        out.selection = f"the method's own rule, with {', '.join(settings) or 'no settings'}"
     return out
 
 
@@ -165,16 +170,16 @@ def first_federation(folder: str) -> str:
     return next(iter(rundir.holdout_dirs(seed_dir).values()), seed_dir)
 
 
-def _value(v) -> str:
+def value_text(v) -> str:
+    """A setting as summary.md shows it: ``0.01``, ``[0.9, 0.99]``, ``null``."""
     if isinstance(v, float):
         return f"{v:g}"
     if isinstance(v, (tuple, list)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
+        return "[" + ", ".join(value_text(x) for x in v) + "]"
     return "null" if v is None else str(v)
 
 
 def _defaults(cls) -> dict:
-    import dataclasses
     out = {}
     for f in dataclasses.fields(cls.Hparams):
         if f.default is not dataclasses.MISSING:
@@ -184,34 +189,27 @@ def _defaults(cls) -> dict:
     return out
 
 
-def _changed_hparams(cls, values: dict | None, key: str) -> list[str]:
-    """``name=value (default d)`` of each hyperparameter the config sets off the method's default."""
-    import dataclasses
-    hp, defaults = cls.hparams_from(values, prefix=f"hp.{key}"), _defaults(cls)
-    return [f"{f.name}={_value(getattr(hp, f.name))} (default {_value(defaults.get(f.name))})"
+def _changed_hparams(cls, hp) -> list[str]:
+    """``name=value (default d)`` of each hyperparameter of ``hp`` off the method's default."""
+    defaults = _defaults(cls)
+    return [f"{f.name}={value_text(getattr(hp, f.name))} (default {value_text(defaults.get(f.name))})"
             for f in dataclasses.fields(hp) if f.name not in defaults or getattr(hp, f.name) != defaults[f.name]]
-
-
-def _all_hparams(cls, values: dict | None, key: str) -> list[str]:
-    import dataclasses
-    hp = cls.hparams_from(values, prefix=f"hp.{key}")
-    return [f"{f.name}={_value(getattr(hp, f.name))}" for f in dataclasses.fields(hp)]
 
 
 def _server_line(cls, server, key: str) -> tuple[str, str]:
     """(the server optimizer and its settings, what the config changed of the method's own: "" if nothing)."""
     from raysim.core.server_optimizers import DEFAULT_LR, resolve
     opt, own = resolve(server, cls.server_optimizer, key), resolve(None, cls.server_optimizer, key)
-    settings = [f"lr {_value(opt.lr)}"]
+    settings = [f"lr {value_text(opt.lr)}"]
     if opt.name == "momentum":
-        settings.append(f"momentum {_value(opt.momentum)}")
+        settings.append(f"momentum {value_text(opt.momentum)}")
     if opt.name in ("adam", "yogi", "adagrad"):
-        settings += [f"betas {_value(opt.betas)}", f"tau {_value(opt.tau)}"]
+        settings += [f"betas {value_text(opt.betas)}", f"tau {value_text(opt.tau)}"]
     line = f"{opt.name} ({', '.join(settings)})" + (": the plain mean" if opt.plain_mean else "")
     if opt == own:
         return line + " (the method's own)", ""
-    line += f"; the method's own: {own.name} (lr {_value(own.lr)})"
-    return line, " ".join([opt.name] + ([f"lr {_value(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else []))
+    line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
+    return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else []))
 
 
 # ----------------------------------------------------------------------------- what a run shares
@@ -220,12 +218,12 @@ def partition_text(partition: dict | None) -> str:
     """``per_domain (train_size 64)``: a partition's kind and settings (its held-out domain aside)."""
     part = {k: v for k, v in (partition or {}).items() if k not in ("holdout", "target_test")}
     kind = part.pop("kind", "per_domain")
-    return kind + (f" ({', '.join(f'{k} {_value(v)}' for k, v in part.items())})" if part else "")
+    return kind + (f" ({', '.join(f'{k} {value_text(v)}' for k, v in part.items())})" if part else "")
 
 
 def data_text(cfg) -> str:
     """``digits5 (image_size 16), partition per_domain (train_size 64)``."""
-    options = ", ".join(f"{k} {_value(v)}" for k, v in (cfg.data.options or {}).items())
+    options = ", ".join(f"{k} {value_text(v)}" for k, v in (cfg.data.options or {}).items())
     return (f"{cfg.data.dataset}" + (f" ({options})" if options else "")
             + (f" from {cfg.data.root}" if cfg.data.root else "") + f", partition {partition_text(cfg.data.partition)}")
 
@@ -257,25 +255,27 @@ def participation_text(folder: str, cfg) -> str:
     """``3 of 5 clients per round``, and what limits who is online (profiles' availability, a
     trace, a deadline)."""
     n = num_clients(folder, cfg)
+    if n is not None and cfg.clients_per_round is not None and n < cfg.clients_per_round:
+        n = None  # a count the folder does not support
     of = f" of {n}" if n is not None else ""
     if cfg.clients_per_round is not None:
         text = f"{cfg.clients_per_round}{of} clients per round"
     elif cfg.fraction is not None:
-        text = (f"{max(1, int(round(cfg.fraction * n)))} of {n} clients per round (fraction {_value(cfg.fraction)})"
-                if n is not None else f"a fraction {_value(cfg.fraction)} of the clients per round")
+        text = (f"{max(1, int(round(cfg.fraction * n)))} of {n} clients per round (fraction {value_text(cfg.fraction)})"
+                if n is not None else f"a fraction {value_text(cfg.fraction)} of the clients per round")
     else:
         text = f"every client{f' ({n})' if n is not None else ''} every round"
     profiles = cfg.clients.profiles
     levels = profiles.levels if isinstance(profiles.levels, list) else []
-    avail = [f"{lv.get('name', i)} {_value(lv['availability'])}" for i, lv in enumerate(levels)
+    avail = [f"{lv.get('name', i)} {value_text(lv['availability'])}" for i, lv in enumerate(levels)
              if isinstance(lv, dict) and "availability" in lv]
     limits = []
     if profiles.trace:
         limits.append(f"online as the trace {profiles.trace} says")
     elif avail:
-        limits.append("online with the probability of its device level (" + ", ".join(avail) + ")")
+        limits.append("a client is online with its device level's probability (" + ", ".join(avail) + ")")
     if cfg.clients.deadline_s is not None:
-        limits.append(f"a client later than the {_value(cfg.clients.deadline_s)} s deadline (simulated) leaves the round")
+        limits.append(f"a client later than the {value_text(cfg.clients.deadline_s)} s deadline (simulated) leaves the round")
     return text + ("; " + "; ".join(limits) if limits else "; every client always online")
 
 
