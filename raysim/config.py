@@ -251,8 +251,8 @@ def method_entry(item, where: str) -> MethodEntry:
                 if f.name not in NOT_PER_VARIANT + VARIANT_KEYS]
     for key in item:
         if key in NOT_PER_VARIANT:
-            raise UserError(f"{where}: a variant cannot set '{key}' (every entry of 'methods' runs the "
-                            "comparison's seeds, in its own folder)")
+            raise UserError(f"{where}: a variant cannot set '{key}': it is the comparison's (every entry of "
+                            "'methods' runs its seeds, each in its own folder)")
         if key not in VARIANT_KEYS and key not in sections:
             raise UserError(f"{where}: unknown key '{key}'; expected name, method, hp (the method's "
                             f"hyperparameters) or a config section: {', '.join(sections)}")
