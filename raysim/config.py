@@ -209,10 +209,73 @@ class TrackingConfig:
     run_name: str | None = None  # the MLflow run's name; null: <method>/seed-<s>[/holdout-<d>] (raysim tune: the trial's)
 
 
+# the keys of a named variant in ``methods`` besides the config sections it changes
+VARIANT_KEYS = ("name", "method", "hp")
+# what a variant cannot change: the comparison's layout, and the seeds every entry is paired over
+NOT_PER_VARIANT = ("methods", "per_method", "variant", "seed", "seeds", "paper")
+FOLDER_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"  # a run's or a variant's name: it names a folder
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One entry of ``methods``: a method by its name (``fedprox``; a plugin's ``module:Class``), or
+    a named variant, ``{name: fedprox-mu1, method: fedprox, hp: {mu: 1.0}, train: {lr: 0.1}}``: the
+    method with the settings that differ (``hp``: the method's own hyperparameters; any other key a
+    config section, as ``per_method`` takes them). Each entry is one folder and one row."""
+    method: str
+    variant: str | None = None  # the variant's name; None: the method itself
+    settings: dict = field(default_factory=dict)  # a variant's hp and config sections
+
+    def name(self, method_key=None) -> str:
+        """Its folder's and row's name: the variant's, else the method's key (``method_key(spec)``:
+        a plugin ``module:Class`` is shown by its class's name)."""
+        return self.variant or (method_key(self.method) if method_key else self.method)
+
+
+def method_entry(item, where: str) -> MethodEntry:
+    """An entry of ``methods`` as written (a name, or a variant's mapping), checked; ``where``
+    names it in the errors (``methods[1]``)."""
+    if isinstance(item, str):
+        return MethodEntry(item)
+    if not isinstance(item, dict):
+        raise UserError("config needs 'method: NAME' or 'methods: [NAME, ...]'; an entry of 'methods' is a "
+                        f"method's name or a variant {{name: NAME, method: METHOD, ...}}, got {where} = {item!r}")
+    name = item.get("name")
+    if name is None:
+        raise UserError(f"{where}: a variant needs 'name: NAME' (its folder and its row), e.g. "
+                        "{name: fedprox-mu1, method: fedprox, hp: {mu: 1.0}}")
+    if not isinstance(name, str) or re.fullmatch(FOLDER_NAME, name) is None or name.startswith(("seed-", "holdout-")):
+        raise UserError(f"{where}: name = {name!r}: expected letters, digits, '.', '_' or '-', not starting "
+                        "with seed- or holdout- (it names the variant's folder)")
+    where = f"{where} ({name})"
+    method = item.get("method")
+    if not isinstance(method, str) or not method:
+        raise UserError(f"{where}: a variant needs 'method: NAME', the method it runs (e.g. method: fedprox)")
+    sections = [f.name for f in dataclasses.fields(ExperimentConfig)
+                if f.name not in NOT_PER_VARIANT + VARIANT_KEYS]
+    for key in item:
+        if key in NOT_PER_VARIANT:
+            raise UserError(f"{where}: a variant cannot set '{key}': it is the comparison's (every entry of "
+                            "'methods' runs its seeds, each in its own folder)")
+        if key not in VARIANT_KEYS and key not in sections:
+            raise UserError(f"{where}: unknown key '{key}'; expected name, method, hp (the method's "
+                            f"hyperparameters) or a config section: {', '.join(sections)}")
+    if not isinstance(item.get("hp", {}), dict):
+        raise UserError(f"{where}: 'hp' must map the method's hyperparameters to values (e.g. hp: {{mu: 1.0}})")
+    settings = {k: copy.deepcopy(v) for k, v in item.items() if k not in ("name", "method")}
+    return MethodEntry(method, name, settings)
+
+
 @dataclass
 class ExperimentConfig:
     method: str | None = "fedavg"
-    methods: list | None = None  # several methods on the same data and seed -> one comparison table
+    # one name for this config's federation of ``method`` (a variant's federation records its name
+    # here, its run folder's config.yaml beside ``method``); null: the method's own. A comparison
+    # names its variants in ``methods``
+    variant: str | None = None
+    # several methods on the same data and seed -> one comparison table; an entry is a method's name
+    # or a named variant {name, method, hp, <sections>} (MethodEntry)
+    methods: list | None = None
     rounds: int = setting(20, ge=1)
     seed: int = 0
     seeds: list | None = None  # several seeds: every method runs once per seed (takes the place of seed)
@@ -237,16 +300,40 @@ class ExperimentConfig:
     # config.yaml, from which `raysim report` and `raysim compare` show it beside the results
     paper: dict = field(default_factory=dict)
 
-    def method_names(self) -> list[str]:
-        return list(self.methods) if self.methods else [self.method]
+    def method_entries(self) -> list[MethodEntry]:
+        """The entries of ``methods`` (or the one ``method``), each a method or a named variant."""
+        if not self.methods:
+            return [MethodEntry(self.method, self.variant)]
+        return [method_entry(m, f"methods[{i}]") for i, m in enumerate(self.methods)]
 
-    def for_method(self, name: str, key: str | None = None) -> "ExperimentConfig":
-        """This config narrowed to one method of a comparison, with that method's ``per_method``
-        settings merged in. ``key``: the method's key in ``per_method`` when it is not ``name``
-        (a plugin ``module:Class`` is keyed by its class's name: raysim.methods.registry.name_of)."""
+    def method_names(self) -> list[str]:
+        """The method each entry runs (a variant's ``method``; a method may appear more than once)."""
+        return [e.method for e in self.method_entries()]
+
+    def entry_names(self, method_key=None) -> list[str]:
+        """The entries' names: their folders and rows (:meth:`MethodEntry.name`)."""
+        return [e.name(method_key) for e in self.method_entries()]
+
+    def for_method(self, name: str, method_key=None) -> "ExperimentConfig":
+        """This config narrowed to one entry of a comparison: ``name`` is the entry's name (a
+        variant's, or its method's key) or its method. The entry's ``per_method.<name>`` settings are
+        merged in, then a variant's own (its ``hp`` into ``hp.<method's key>``). ``method_key(spec)``:
+        a method's key (a plugin ``module:Class`` is keyed by its class's name:
+        raysim.methods.registry.name_of); default the spec itself."""
+        entries = self.method_entries()
+        names = [e.name(method_key) for e in entries]
+        entry = (entries[names.index(name)] if name in names
+                 else next((e for e in entries if e.method == name), None))
+        if entry is None:
+            raise UserError(f"{name!r} is not one of the run's methods {names}")
         raw = self.to_dict()
-        raw.update(method=name, methods=None, per_method={})
-        merge(raw, self.per_method.get(name if key is None else key) or {})
+        raw.update(method=entry.method, methods=None, per_method={}, variant=entry.variant)
+        merge(raw, self.per_method.get(entry.name(method_key)) or {})
+        settings = copy.deepcopy(entry.settings)
+        hp = settings.pop("hp", None)
+        merge(raw, settings)
+        if hp:
+            merge(raw.setdefault("hp", {}), {method_key(entry.method) if method_key else entry.method: hp})
         return build(ExperimentConfig, raw)
 
     def seed_list(self) -> list[int]:
@@ -259,7 +346,12 @@ class ExperimentConfig:
         return build(ExperimentConfig, raw)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain data (config.yaml, the checkpoint's fingerprint); ``variant`` only where
+        set, so a config without variants reads, and fingerprints, as before variants existed."""
+        raw = dataclasses.asdict(self)
+        if raw.get("variant") is None:
+            raw.pop("variant", None)
+        return raw
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -324,10 +416,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
         set_path(raw, path, value, where=f"override '{text}'")
-        if path == ["method"]:  # method=NAME on the command line replaces a methods list
+        if path == ["method"]:  # method=NAME on the command line replaces a methods list (and a variant's name)
             raw.pop("methods", None)
+            raw.pop("variant", None)
         if path == ["methods"]:
             raw.pop("method", None)
+            raw.pop("variant", None)
         if path == ["seed"]:  # seed=N on the command line replaces a seeds list
             raw.pop("seeds", None)
     return raw
@@ -378,27 +472,40 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
         if not ok:
             raise UserError(msg)
 
-    names = cfg.method_names()
-    need(bool(names) and all(isinstance(n, str) for n in names),
+    need(cfg.methods is None or isinstance(cfg.methods, list) and bool(cfg.methods),
          "config needs 'method: NAME' or 'methods: [NAME, ...]'")
-    need(len(set(names)) == len(names), f"'methods' lists a method twice: {names}")
-    keys = {(n if method_key is None else method_key(n)): n for n in names}  # per_method key -> name
-    need(len(keys) == len(names), f"two of the methods {names} have the same name")
-    need(cfg.name is None or (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", cfg.name) is not None),
+    entries = cfg.method_entries()  # each entry's own keys checked
+    need(all(isinstance(e.method, str) and e.method for e in entries),
+         "config needs 'method: NAME' or 'methods: [NAME, ...]'")
+    plain = [e.method for e in entries if e.variant is None]
+    need(len(set(plain)) == len(plain), f"'methods' lists a method twice: {plain}")
+    names = [e.name(method_key) for e in entries]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    need(twice is None or all(e.variant is None for e in entries if e.name(method_key) == twice),
+         f"'methods' has two entries named {twice!r}; give each variant a name of its own (it names its "
+         "folder and its row)")
+    need(twice is None, f"two of the methods {cfg.method_names()} have the same name")
+    need(cfg.variant is None or (cfg.methods is None and re.fullmatch(FOLDER_NAME, cfg.variant) is not None),
+         f"config key 'variant' = {cfg.variant!r}: a variant's name (letters, digits, '.', '_' or '-') beside "
+         "'method'; in a comparison, name each variant in its entry of 'methods'")
+    need(cfg.name is None or (re.fullmatch(FOLDER_NAME, cfg.name) is not None),
          f"config key 'name' = {cfg.name!r}: expected letters, digits, '.', '_' or '-' (it names the run folder)")
     need(cfg.seeds is None or (bool(cfg.seeds) and all(isinstance(x, int) and not isinstance(x, bool)
                                                        and x >= 0 for x in cfg.seeds)),
          f"config key 'seeds' = {cfg.seeds!r}: expected a non-empty list of non-negative integers")
     need(cfg.seeds is None or len(set(cfg.seeds)) == len(cfg.seeds), f"'seeds' lists a seed twice: {cfg.seeds}")
     for n, extra in cfg.per_method.items():
-        need(n in keys, f"config key 'per_method.{n}': {n!r} is not one of the run's methods {list(keys)}")
+        need(n in names, f"config key 'per_method.{n}': {n!r} is not one of the run's methods {names}")
         need(isinstance(extra, dict), f"config key 'per_method.{n}' must be a mapping of settings")
-        need(not {"method", "methods", "per_method"} & set(extra),
-             f"config key 'per_method.{n}' cannot set method, methods or per_method")
-        try:
-            cfg.for_method(keys[n], key=n)  # type-checks the merged settings
-        except UserError as err:
-            raise UserError(f"in per_method.{n}: {err}") from None
+        need(not {"method", "methods", "per_method", "variant"} & set(extra),
+             f"config key 'per_method.{n}' cannot set method, methods, per_method or variant")
+    for i, (e, n) in enumerate(zip(entries, names)):
+        if n in cfg.per_method or e.settings:
+            try:
+                cfg.for_method(n, method_key)  # type-checks the merged settings
+            except UserError as err:
+                where = f"per_method.{n}" if e.variant is None else f"methods[{i}] ({n})"
+                raise UserError(f"in {where}: {err}") from None
     for n, hp in cfg.hp.items():
         need(isinstance(hp, dict), f"config key 'hp.{n}' must map hyperparameter names to values")
     need(cfg.clients_per_round is None or cfg.fraction is None,

@@ -81,3 +81,64 @@ SHIPPED = sorted(p for p in (Path(__file__).parents[1] / "configs").rglob("*.yam
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.method_names() and cfg.rounds >= 1
+
+
+# ----------------------------------------------------------------------------- named variants
+
+VARIANTS = {"methods": ["fedprox", {"name": "fedprox-mu1", "method": "fedprox", "hp": {"mu": 1.0},
+                                    "train": {"lr": 0.1}}],
+            "hp": {"fedprox": {"mu": 0.1}}, "train": {"lr": 0.05, "momentum": 0.5},
+            "per_method": {"fedprox-mu1": {"rounds": 3}}}
+
+
+def test_a_config_without_variants_keeps_its_config_and_fingerprint():
+    """Checkpoints written before variants existed still resume: the same fingerprints (pinned),
+    and no ``variant`` key in a federation's config.yaml."""
+    from raysim.engine.checkpoint import config_fingerprint
+    raw = {"methods": ["fedavg", "fedprox"], "rounds": 3, "seed": 1, "hp": {"fedprox": {"mu": 0.1}},
+           "per_method": {"fedprox": {"train": {"lr": 0.05}}}, "server": {"optimizer": "adam"}}
+    cfg = load_config(raw=raw)
+    assert [config_fingerprint(cfg.for_method(m)) for m in ("fedavg", "fedprox")] == ["4a6facc0a0f59a21",
+                                                                                       "9bd3dde9e4b028cc"]
+    assert config_fingerprint(load_config(raw={"method": "fedbn"})) == "ea92a7ba7f3dcbca"
+    assert "variant" not in cfg.to_dict() and "variant" not in cfg.for_method("fedprox").to_dict()
+
+
+def test_a_variant_is_its_method_with_its_settings():
+    cfg = load_checked(raw=VARIANTS)
+    assert cfg.method_names() == ["fedprox", "fedprox"] and cfg.entry_names() == ["fedprox", "fedprox-mu1"]
+    plain, mu1 = cfg.for_method("fedprox"), cfg.for_method("fedprox-mu1")
+    assert (plain.variant, plain.hp, plain.train.lr, plain.rounds) == (None, {"fedprox": {"mu": 0.1}}, 0.05, 20)
+    # its hp go to hp.<its method>, its sections over the config's, per_method.<its name> too
+    assert (mu1.method, mu1.variant, mu1.hp, mu1.train.lr, mu1.train.momentum, mu1.rounds) == (
+        "fedprox", "fedprox-mu1", {"fedprox": {"mu": 1.0}}, 0.1, 0.5, 3)
+    assert mu1.methods is None and mu1.to_dict()["variant"] == "fedprox-mu1"
+    # its federation's config.yaml reads back as that one federation
+    again = load_checked(raw=mu1.to_dict())
+    assert again.entry_names() == ["fedprox-mu1"] and again.for_method("fedprox-mu1").to_dict() == mu1.to_dict()
+    # on the command line
+    cli = load_checked(raw={"method": "fedavg"},
+                       overrides=["methods=[fedavg,{name: adam, method: fedavg, server: {optimizer: adam}}]"])
+    assert cli.entry_names() == ["fedavg", "adam"] and cli.for_method("adam").server.optimizer == "adam"
+    assert cli.for_method("fedavg").server.optimizer is None
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"name": "v"}, "methods[1] (v): a variant needs 'method: NAME'"),
+    ({"method": "fedprox"}, "methods[1]: a variant needs 'name: NAME'"),
+    ({"name": "a/b", "method": "fedprox"}, "methods[1]: name = 'a/b': expected letters, digits"),
+    ({"name": "seed-1", "method": "fedprox"}, "not starting with seed- or holdout-"),
+    ({"name": "fedprox", "method": "fedprox", "hp": {"mu": 1}}, "'methods' has two entries named 'fedprox'"),
+    ({"name": "fedavg", "method": "fedprox"}, "methods[1] (fedavg): 'fedavg' is another method's name"),
+    ({"name": "v", "method": "fedprox", "lr": 0.1}, "methods[1] (v): unknown key 'lr'; expected name, method, hp"),
+    ({"name": "v", "method": "fedprox", "seeds": [1, 2]}, "methods[1] (v): a variant cannot set 'seeds'"),
+    ({"name": "v", "method": "fedprox", "hp": 1}, "methods[1] (v): 'hp' must map the method's hyperparameters"),
+    ({"name": "v", "method": "fedprox", "hp": {"nu": 1}}, "unknown hyperparameter 'methods[1] (v).hp.nu'"),
+    ({"name": "v", "method": "fedprox", "train": {"lr": -1}}, "in methods[1] (v): config key 'train.lr' = -1.0"),
+    ({"name": "v", "method": "fedadam", "server": {"optimizer": "yogi"}}, "methods[1] (v): method fedadam is FedAvg"),
+    ({"name": "v", "method": "nosuch"}, "unknown method 'nosuch'"),
+])
+def test_a_bad_variant_is_one_line(entry, fragment):
+    with pytest.raises(UserError) as err:
+        load_checked(raw={"methods": ["fedprox", entry]})
+    assert fragment in str(err.value) and "\n" not in str(err.value)

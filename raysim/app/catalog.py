@@ -51,7 +51,8 @@ def configs_by_method(root: str | None = None) -> dict[str, list[str]]:
             if isinstance(raw.get("method"), str):
                 listed.append(raw["method"])
             if isinstance(raw.get("methods"), list):
-                listed += [m for m in raw["methods"] if isinstance(m, str)]
+                listed += [m.get("method") if isinstance(m, dict) else m for m in raw["methods"]]  # a variant's method
+            listed = [m for m in listed if isinstance(m, str)]
             for m in dict.fromkeys(listed):
                 found.setdefault(m, []).append(os.path.relpath(path, base))
     return found

@@ -12,6 +12,10 @@ mean, Avg; ``--by holdout`` shows only such runs. Where a run's config has a ``p
 stand beside ours with the difference, Δ = ours − paper, in points; summary.md ends with the same
 table (:func:`beside_paper`).
 
+Rows say what ran (``fedavg + server adam``), and a line above the table says where the runs are
+not like for like: another dataset, partition, protocol or number of rounds (they are shown, not
+refused: a comparison across datasets is sometimes the point).
+
 ``--out DIR`` writes compare.md, compare.csv and compare.png (test AVG against rounds, one line per
 row, a ± std band over seeds); the Markdown is printed either way.
 """
@@ -26,7 +30,8 @@ import pandas as pd
 
 from raysim.app.plots import save_figure
 from raysim.app.rundir import config_dict, holdout_dirs, method_dirs, read_metrics, seed_dirs
-from raysim.app.tables import AGGREGATES, SELECT_LABELS, Summary, markdown_table, pct, select_rule, summarize
+from raysim.app.tables import (AGGREGATES, SELECT_LABELS, Ran, Summary, first_federation, markdown_table,
+                                partition_text, pct, ran, select_rule, summarize)
 from raysim.core.errors import UserError
 from raysim.core.files import write_atomically, write_text
 
@@ -41,6 +46,8 @@ class Entry:
     frames: dict = field(default_factory=dict)  # seed -> DataFrame, or seed -> {held-out domain: DataFrame}
     paper: dict = field(default_factory=dict)
     label: str = ""
+    folder: str = ""  # its folder in the run directory (the run directory itself for one federation)
+    ran: Ran | None = None  # what it ran (its first federation's config.yaml)
 
 
 def _paper(run_dir: str, method_dir: str) -> dict:
@@ -64,7 +71,7 @@ def load(run_dir: str) -> list[Entry]:
     for name, d in dirs.items():
         seeds = seed_dirs(d)
         lodo = any(holdout_dirs(sd) for sd in seeds.values())
-        e = Entry(run_dir, name, lodo, paper=_paper(run_dir, d))
+        e = Entry(run_dir, name, lodo, paper=_paper(run_dir, d), folder=d, ran=ran(d))
         for seed, sd in seeds.items():
             holdouts = holdout_dirs(sd)
             if lodo:
@@ -81,15 +88,49 @@ def load(run_dir: str) -> list[Entry]:
 
 
 def label_entries(entries: list[Entry]) -> None:
-    """``fdse``, or ``fdse (abl_local)`` when several run directories hold fdse."""
+    """``fdse``, or ``fdse (abl_local)`` when several run directories hold fdse; a row says what
+    ran (``fedavg + server adam``: :attr:`raysim.app.tables.Ran.label`)."""
     runs = list(dict.fromkeys(e.run_dir for e in entries))
     bases = [os.path.basename(os.path.normpath(r)) for r in runs]
     short = {r: (b if bases.count(b) == 1 else os.path.normpath(r)) for r, b in zip(runs, bases)}
+    shown = {id(e): e.ran.label if e.ran is not None else e.method for e in entries}
     count = {}
     for e in entries:
-        count[e.method] = count.get(e.method, 0) + 1
+        count[shown[id(e)]] = count.get(shown[id(e)], 0) + 1
     for e in entries:
-        e.label = e.method if count[e.method] == 1 else f"{e.method} ({short[e.run_dir]})"
+        e.label = shown[id(e)] if count[shown[id(e)]] == 1 else f"{shown[id(e)]} ({short[e.run_dir]})"
+
+
+# ----------------------------------------------------------------------------- like for like
+
+def _setup(e: Entry) -> dict[str, str]:
+    """What must match for two rows to be compared: dataset, partition, protocol and rounds (its
+    first federation's config.yaml)."""
+    raw = config_dict(first_federation(e.folder))
+    data, ev = raw.get("data") or {}, raw.get("eval") or {}
+    protocol = str(ev.get("protocol", "personalized"))
+    if protocol == "lodo":
+        protocol += f", target {(data.get('partition') or {}).get('target_test', 'all')}"
+    return {"dataset": str(data.get("dataset", "?")), "partition": partition_text(data.get("partition")),
+            "protocol": protocol, "rounds": str(raw.get("rounds", "?"))}
+
+
+def unlike(entries: list[Entry]) -> str:
+    """One line saying in what the rows differ (dataset, partition, protocol, rounds) and which
+    rows have which; "" when they are like for like."""
+    setups = {e.label: _setup(e) for e in entries}
+    parts = []
+    for key in ("dataset", "partition", "protocol", "rounds"):
+        by_value: dict[str, list[str]] = {}
+        for label, setup in setups.items():
+            by_value.setdefault(setup[key], []).append(label)
+        if len(by_value) > 1:
+            shown = "; ".join(f"{value}: {', '.join(rows)}" for value, rows in by_value.items())
+            parts.append(f"{key} ({shown})")
+    if not parts:
+        return ""
+    return ("**Not like for like:** these rows differ in " + ", ".join(parts)
+            + "; their accuracies are not comparable as they stand.")
 
 
 # ----------------------------------------------------------------------------- values
@@ -223,8 +264,9 @@ def compare_markdown(entries: list[Entry], by: str = "method") -> tuple[str, pd.
     rules = list(dict.fromkeys(x.rule for e in entries for s in e.summaries.values()
                                for x in (s.values() if e.lodo else [s])))
     multi = any(len(r.seeds) > 1 for r in rows)
+    differ = unlike(entries)
     out = ["# Comparison", "",
-           "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), "",
+           "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), ""] + ([differ, ""] if differ else []) + [
            f"Test accuracy (%) at each federation's selected round ({'; '.join(SELECT_LABELS[r] for r in rules)})"
            + ("; mean ± std over seeds (ddof 1)" if multi else "") + "."]
     frames = []

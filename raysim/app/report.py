@@ -3,15 +3,19 @@
 A run directory is ``[<method>/][seed-<s>/][holdout-<domain>/]metrics.parquet``: one folder per
 method of a comparison, per seed of a multi-seed run, per held-out domain of leave-one-domain-out.
 
-The headline is the round that ``eval.select`` picks in each federation (best validation AVG by
-default); the final round is always shown beside it, and the best *test* round only labelled as
-the selection that peeks at the test split. AVG is the mean over domains (the papers' AVG); the
-clients' mean, AVG_clients, is shown beside it wherever the two differ. Over several seeds every
+summary.md opens with what ran (:func:`what_ran`: the data, participation and protocol, and per
+federation its method, hyperparameters off their defaults, server optimizer and selection); a row
+is labelled with what ran (``fedavg + server adam``). The headline is the round that
+``eval.select`` picks in each federation (best validation AVG by default); the final round is
+always shown beside it, and the best *test* round only labelled as the selection that peeks at the
+test split; where those rounds coincide in every federation, one table says so. AVG is the mean
+over domains (the papers' AVG); the clients' mean, AVG_clients, is shown beside it wherever the two differ. Over several seeds every
 cell is mean ± std (sample standard deviation, ddof 1), and each method is compared with the first
 one listed: the mean of the per-seed differences, how many seeds it wins and a paired t-test.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -20,7 +24,8 @@ import pandas as pd
 from raysim.app import rundir
 from raysim.app.compare import beside_paper
 from raysim.app.plots import plot_curves, plot_time_curves, sim_clock
-from raysim.app.tables import SELECT_LABELS, Summary, markdown_table, pct, select_rule, summarize
+from raysim.app.tables import (SELECT_LABELS, Ran, Summary, data_text, markdown_table, participation_text, pct,
+                                protocol_text, ran, select_rule, summarize, value_text)
 from raysim.core.errors import UserError
 from raysim.core.files import write_text
 
@@ -66,8 +71,31 @@ def _seed_note(seeds: list) -> str:
     return f"; mean ± std over seeds {', '.join(str(s) for s in seeds)}"
 
 
-def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
-    """The per-domain table: ``runs[method][seed] = Summary`` (seed None for a single-seed run)."""
+def _coinciding(sections: list[tuple[str, str, object]], every: list[Summary]) -> list[list[int]]:
+    """Groups of ``sections`` (title, short name, round of a Summary) whose rounds are the same in
+    every federation: their tables would be the same table."""
+    groups: list[list[int]] = []
+    for i, (_, _, round_of) in enumerate(sections):
+        same = next((g for g in groups if all(round_of(s) == sections[g[0]][2](s) for s in every)), None)
+        if same is None:
+            groups.append([i])
+        else:
+            same.append(i)
+    return groups
+
+
+def _group_title(sections, group: list[int]) -> str:
+    title = sections[group[0]][0]
+    if len(group) == 1:
+        return title
+    also = [sections[i][1] for i in group[1:]]
+    return f"{title}; here also {' and '.join(also)} (the rounds coincide in every federation)"
+
+
+def summary_markdown(runs: dict[str, dict], title: str = "", header: list[str] | None = None) -> str:
+    """The per-domain table: ``runs[row][seed] = Summary`` (seed None for a single-seed run);
+    ``header``: the lines that say what ran (:func:`what_ran`). Where the selected, final and best
+    test rounds are the same round in every federation, their tables are one."""
     every = [s for per in runs.values() for s in per.values()]
     seeds = list(dict.fromkeys(k for per in runs.values() for k in per))
     domains = list(dict.fromkeys(d for s in every for d in s.domains))
@@ -86,19 +114,22 @@ def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
         return out
 
     out = [f"# {title}".rstrip(), ""] if title else []
+    out += header or []
     out += ["Test accuracy (%) per domain; AVG = mean over domains (the papers' AVG), ALL = accuracy over all "
             "clients' pooled test samples" + ("; AVG_clients = mean over clients" if differ else "") + ".", ""]
-    out += [f"## Selected round: {_rule_line(every)}{_seed_note(seeds)}", ""]
-    out += _table(rows(lambda s: (s.selected_round, s.selected), True), cols)
-    if not single:
-        out += ["", "Selected rounds: " + "; ".join(
-            f"{name} " + ", ".join(str(s.selected_round) for s in per.values()) for name, per in runs.items())]
-    out += ["", f"## Final round{_seed_note(seeds)}", ""]
-    out += _table(rows(lambda s: (s.final_round, s.final), True), cols)
+    sections = [(f"Selected round: {_rule_line(every)}", "the selected round", lambda s: s.selected_round),
+                ("Final round", "the final round", lambda s: s.final_round)]
     if any(s.rule != "test" for s in every):
-        out += ["", f"## Best test round (peeks at the test split; shown only to compare with papers that select "
-                f"this way){_seed_note(seeds)}", ""]
-        out += _table(rows(lambda s: (s.peek_round, s.peek), True), cols)
+        sections.append(("Best test round (peeks at the test split; shown only to compare with papers that select "
+                         "this way)", "the best test round", lambda s: s.peek_round))
+    picks = [lambda s: (s.selected_round, s.selected), lambda s: (s.final_round, s.final),
+             lambda s: (s.peek_round, s.peek)]
+    for n, group in enumerate(_coinciding(sections, every)):
+        out += ([""] if n else []) + [f"## {_group_title(sections, group)}{_seed_note(seeds)}", ""]
+        out += _table(rows(picks[group[0]], True), cols)
+        if group[0] == 0 and not single:
+            out += ["", "Selected rounds: " + "; ".join(
+                f"{name} " + ", ".join(str(s.selected_round) for s in per.values()) for name, per in runs.items())]
     if not single:
         avg = {name: {k: s.selected["AVG"] for k, s in per.items()} for name, per in runs.items()}
         out += ["", "## AVG per seed (selected round)", ""]
@@ -110,9 +141,10 @@ def summary_markdown(runs: dict[str, dict], title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
-    """The FedDG table: ``runs[method][seed][held-out domain] = Summary``; one column per held-out
-    domain (accuracy on 100% of it, or its test split) and their mean, Avg."""
+def lodo_markdown(runs: dict[str, dict], title: str = "", header: list[str] | None = None) -> str:
+    """The FedDG table: ``runs[row][seed][held-out domain] = Summary``; one column per held-out
+    domain (accuracy on 100% of it, or its test split) and their mean, Avg. The selected, final
+    and best target rounds' tables are one where those rounds coincide in every federation."""
     every = [s for per in runs.values() for by_dom in per.values() for s in by_dom.values()]
     seeds = list(dict.fromkeys(k for per in runs.values() for k in per))
     domains = list(dict.fromkeys(d for per in runs.values() for by_dom in per.values() for d in by_dom))
@@ -133,16 +165,20 @@ def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
         return {name: {c: [v[c] for v in per.values()] for c in cols} for name, per in vals.items()}
 
     out = [f"# {title}".rstrip(), ""] if title else []
+    out += header or []
     out += ["Leave-one-domain-out: accuracy (%) on each unseen domain; Avg = mean over held-out domains.", ""]
     selected = values(lambda s: s.selected)
-    sections = [(f"Selected round: {_rule_line(every)}", selected), ("Final round", values(lambda s: s.final))]
-    if any(s.unadapted for s in every):
-        sections.append(("Selected round, before the unseen client's label-free adaptation "
-                         "(methods that adapt; the others as above)",
-                         values(lambda s: s.unadapted or s.selected)))
+    rounds = [(f"Selected round: {_rule_line(every)}", "the selected round", lambda s: s.selected_round),
+              ("Final round", "the final round", lambda s: s.final_round)]
+    picks = [selected, values(lambda s: s.final)]
     if any(s.rule != "test" for s in every):
-        sections.append(("Best target round (peeks at the target: the selection some FedDG papers report)",
-                         values(lambda s: s.peek)))
+        rounds.append(("Best target round (peeks at the target: the selection some FedDG papers report)",
+                       "the best target round", lambda s: s.peek_round))
+        picks.append(values(lambda s: s.peek))
+    sections = [(_group_title(rounds, g), picks[g[0]]) for g in _coinciding(rounds, every)]
+    if any(s.unadapted for s in every):
+        sections.insert(1, ("Selected round, before the unseen client's label-free adaptation "
+                            "(methods that adapt; the others as above)", values(lambda s: s.unadapted or s.selected)))
     for label, vals in sections:
         out += [f"## {label}{_seed_note(seeds)}", ""] + _table(rows(vals), cols) + [""]
     if len(seeds) > 1 and len(runs) > 1:
@@ -151,6 +187,41 @@ def lodo_markdown(runs: dict[str, dict], title: str = "") -> str:
         out += paired_comparison(avg, "Avg") + [""]
     return "\n".join(out)
 
+
+def what_ran(rans: list[Ran]) -> list[str]:
+    """summary.md's opening: the data, rounds, seeds, participation and protocol (as the first
+    federation's config.yaml records them), then each entry's method, hyperparameters off their
+    defaults, server optimizer and selection, and the settings it has unlike the first."""
+    first = rans[0]
+    out = ["## What ran", ""]
+    cfg = first.config
+    if cfg is not None:
+        seeds = list(rundir.seed_dirs(first.entry_dir))
+        seeds = f"seeds {', '.join(str(k) for k in seeds)}" if seeds != [None] else f"seed {cfg.seed}"
+        out += [f"- data: {data_text(cfg)}", f"- rounds: {cfg.rounds}; {seeds}",
+                f"- participation: {participation_text(first.folder, cfg)}",
+                f"- protocol: {protocol_text(cfg, rans)}"]
+    for r in rans:
+        out.append(f"- **{r.label}**: {_federation_text(r, first)}")
+    return out + [""]
+
+
+def _federation_text(r: Ran, first: Ran) -> str:
+    from raysim.app.rundir import config_differences
+    what = [f"method {r.method}" + (f" (variant {r.variant})" if r.variant else "")]
+    if r.cls is None or r.config is None:
+        return what[0] + " (its method does not import here: settings not shown)"
+    defaults = "none" if not dataclasses.fields(r.cls.Hparams) else "the method's defaults"
+    what.append("hyperparameters: " + ("; ".join(r.hparams) if r.hparams else defaults))
+    what.append(f"server: {r.server}")
+    what.append(f"selection: {r.selection}")
+    if r is not first and first.config is not None:  # what a variant or per_method sets apart from the first
+        skip = ("method", "variant", "hp", "server", "seed", "name", "tracking", "checkpoint", "runtime", "paper")
+        own = [f"{k} {value_text(b)}" for k, a, b in config_differences(
+            first.config.to_dict(), r.config.to_dict(), skip=skip) if k != "data.partition.holdout"]
+        if own:
+            what.append("unlike the first: " + ", ".join(own))
+    return "; ".join(what)
 
 
 # ----------------------------------------------------------------------------- render
@@ -189,31 +260,35 @@ def render(run_dir: str) -> str:
     if not dirs:
         raise UserError(f"no metrics.parquet found in {run_dir} or its method folders")
     title = os.path.basename(os.path.normpath(run_dir))
+    rans = {name: ran(d) for name, d in dirs.items()}
+    header = what_ran(list(rans.values()))
+    labels = {name: r.label for name, r in rans.items()}  # the rows say what ran
     panels: dict[str, list[pd.DataFrame]] = {}
     runs: dict[str, dict] = {}
-    first: dict[str, tuple[str, pd.DataFrame]] = {}  # method -> (folder, metrics) of its first seed
+    first: dict[str, tuple[str, pd.DataFrame]] = {}  # row -> (folder, metrics) of its first seed
     lodo = False
     for name, d in dirs.items():
-        runs[name] = {}
+        row = labels[name]
+        runs[row] = {}
         for seed, sd in rundir.seed_dirs(d).items():
             holdouts = rundir.holdout_dirs(sd)
             if holdouts:
                 lodo = True
-                runs[name][seed] = {}
+                runs[row][seed] = {}
                 for dom, hd in holdouts.items():  # each federation's own config says its eval.select
                     df = rundir.read_metrics(hd)
-                    panels.setdefault(f"{name} / {dom}", []).append(df)
-                    runs[name][seed][dom] = summarize(df, name, select_rule(hd))
+                    panels.setdefault(f"{row} / {dom}", []).append(df)
+                    runs[row][seed][dom] = summarize(df, row, select_rule(hd))
             else:
                 df = rundir.read_metrics(sd)
-                panels.setdefault(name, []).append(df)
-                runs[name][seed] = summarize(df, name, select_rule(sd))
-                first.setdefault(name, (sd, df))
+                panels.setdefault(row, []).append(df)
+                runs[row][seed] = summarize(df, row, select_rule(sd))
+                first.setdefault(row, (sd, df))
     if lodo:
-        text = lodo_markdown(runs, title)
+        text = lodo_markdown(runs, title, header)
     else:
-        text = summary_markdown(runs, title)
-        text += "".join(method_section(*first[name]) for name in dirs)
+        text = summary_markdown(runs, title, header)
+        text += "".join(method_section(*first[row]) for row in runs)
     text += _exchanges(dirs) + beside_paper(run_dir)
     write_text(os.path.join(run_dir, "summary.md"), text)
     plot_curves(panels, os.path.join(run_dir, "curves.png"))

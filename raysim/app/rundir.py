@@ -254,20 +254,19 @@ def with_holdout(cfg, holdout: str):
 
 
 def plan(cfg, run_dir: str) -> list[tuple[object, str]]:
-    """(config, folder) of every federation of ``cfg``: method x seed x held-out domain.
+    """(config, folder) of every federation of ``cfg``: entry of ``methods`` x seed x held-out domain.
 
-    One method: the run folder is the federation's; several: ``<method>/`` (a plugin
-    ``module:Class``: its class's name); with ``seeds``: ``seed-<s>/`` below; leave-one-domain-out:
-    ``holdout-<domain>/`` below that."""
-    from raysim.app.configs import method_config
-    from raysim.methods import registry
-    names, seeds = cfg.method_names(), cfg.seed_list()
+    One entry: the run folder is the federation's; several: ``<name>/``, the entry's name (a named
+    variant's; a method's key: a plugin ``module:Class``'s class name); with ``seeds``: ``seed-<s>/``
+    below; leave-one-domain-out: ``holdout-<domain>/`` below that."""
+    from raysim.app.configs import method_config, method_keys
+    names, seeds = method_keys(cfg), cfg.seed_list()
     holdouts = lodo_holdouts(cfg) if cfg.eval.protocol == "lodo" else [None]
     out = []
     for name in names:
         for seed in seeds:
             for holdout in holdouts:
-                sub = run_dir if len(names) == 1 else os.path.join(run_dir, registry.name_of(name))
+                sub = run_dir if len(names) == 1 else os.path.join(run_dir, name)
                 one = method_config(cfg, name)
                 if cfg.seeds:
                     one = one.for_seed(seed)
@@ -286,21 +285,22 @@ CONFIG = "config.yaml"
 
 
 def method_dirs(run_dir: str) -> dict[str, str]:
-    """{method: its folder} of a run folder: itself for a one-method run, its ``<method>/``
-    folders for a comparison, in the order its config lists them (the first is the reference).
-    A method is shown by its key (a plugin ``module:Class`` by its class's name, as its folder)."""
+    """{entry: its folder} of a run folder: itself for a one-method run, its ``<name>/`` folders
+    for a comparison, in the order its config lists them (the first is the reference). An entry is
+    shown by its name (:func:`name_of`: a variant's name, a method's key), as its folder."""
     if _is_run(run_dir):
-        return {method_key(method_of(run_dir)): run_dir}
+        return {name_of(run_dir): run_dir}
     found = {}
     if os.path.isdir(run_dir):
         for name in sorted(os.listdir(run_dir)):
             if _is_run(os.path.join(run_dir, name)):
                 found[name] = os.path.join(run_dir, name)
-    listed = config_dict(run_dir).get("methods") or []
-    listed = [m for m in listed if isinstance(m, str)]
-    # a folder is its method's key; its config.yaml names the method as the run's list does
-    rank = {m: i for i, m in enumerate(listed)}
-    ranked = {f: rank.get(method_of(found[f]), rank.get(f)) for f in found}
+    listed = [m if isinstance(m, str) else m.get("name") if isinstance(m, dict) else None
+              for m in config_dict(run_dir).get("methods") or []]
+    # a folder is its entry's name; its config.yaml names the entry as the run's list does: a
+    # variant by its name (``variant``), a method by its spec (``method``)
+    rank = {m: i for i, m in enumerate(listed) if isinstance(m, str)}
+    ranked = {f: rank.get(_listed_as(found[f]), rank.get(f)) for f in found}
     order = sorted((f for f in found if ranked[f] is not None), key=lambda f: ranked[f])
     order += [f for f in found if ranked[f] is None]
     return {m: found[m] for m in order}
@@ -344,9 +344,37 @@ def _is_run(d: str) -> bool:
 
 
 def method_of(folder: str) -> str:
-    """The method a folder ran: its config's ``method`` (or first of ``methods``), else the folder's name."""
+    """The method a folder ran: its config's ``method`` (or the first entry of ``methods``, a
+    variant's ``method``), else the folder's name."""
     raw = config_dict(folder)
-    return raw.get("method") or (raw.get("methods") or [None])[0] or os.path.basename(os.path.normpath(folder))
+    first = _first_entry(raw)
+    first = first.get("method") if isinstance(first, dict) else first
+    return raw.get("method") or first or os.path.basename(os.path.normpath(folder))
+
+
+def variant_of(folder: str) -> str | None:
+    """The named variant a folder ran: its config's ``variant`` (a federation's config.yaml), or
+    the name of a variant that is the first entry of its ``methods`` (a multi-seed run's top
+    config.yaml); None: its method's own."""
+    raw = config_dict(folder)
+    first = _first_entry(raw)
+    variant = raw.get("variant") or (first.get("name") if isinstance(first, dict) else None)
+    return variant if isinstance(variant, str) else None
+
+
+def _first_entry(raw: dict):
+    listed = raw.get("methods")
+    return listed[0] if isinstance(listed, list) and listed else None
+
+
+def name_of(folder: str) -> str:
+    """How a run shows a federation's folder: its variant's name, else its method's key."""
+    return variant_of(folder) or method_key(method_of(folder))
+
+
+def _listed_as(folder: str) -> str:
+    """A comparison's folder as the run's ``methods`` lists it: a variant's name, else a method's spec."""
+    return variant_of(folder) or method_of(folder)
 
 
 def read_yaml_dict(path: str) -> dict:

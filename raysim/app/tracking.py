@@ -110,11 +110,13 @@ def flat_config(cfg) -> dict[str, str | int | float | bool]:
 
 
 def run_name(cfg) -> str:
-    """The federation's label: ``tracking.run_name``, else ``<method>/seed-<s>[/holdout-<domain>]``."""
+    """The federation's label: ``tracking.run_name``, else ``<method>/seed-<s>[/holdout-<domain>]``
+    (a named variant: its name in place of the method's)."""
     if cfg.tracking.run_name:
         return cfg.tracking.run_name
     holdout = (cfg.data.partition or {}).get("holdout")
-    return "/".join([str(cfg.method), f"seed-{cfg.seed}"] + ([f"holdout-{holdout}"] if holdout else []))
+    label = getattr(cfg, "variant", None) or cfg.method
+    return "/".join([str(label), f"seed-{cfg.seed}"] + ([f"holdout-{holdout}"] if holdout else []))
 
 
 def _warn(text: str) -> None:
@@ -232,6 +234,8 @@ class MLflowLogger(Callback):
                 "raysim.run_dir": os.path.abspath(self.run_dir)}
         if holdout:
             tags["raysim.holdout"] = str(holdout)
+        if getattr(cfg, "variant", None):
+            tags["raysim.variant"] = str(cfg.variant)
         made = self.client.create_run(exp_id, run_name=run_name(cfg), tags=tags)
         self.run_id = made.info.run_id
         _write_state(self.run_dir, {"tracking_uri": self.uri, "experiment_id": exp_id, "run_id": self.run_id})

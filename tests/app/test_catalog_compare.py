@@ -96,9 +96,10 @@ def test_methods_unknown_name_is_one_line_exit_2(tmp_path):
 
 # ----------------------------------------------------------------------------- run directories
 
-def write_federation(d, method, test, val, select="val", holdout=False):
+def write_federation(d, method, test, val, select="val", holdout=False, **config):
     """metrics.parquet + config.yaml of one federation: ``test[r]``/``val[r]`` = {domain: accuracy}
-    for rounds 1, 2, ...; AVG (mean over domains) and ALL (here the same) added."""
+    for rounds 1, 2, ...; AVG (mean over domains) and ALL (here the same) added; ``config``: more
+    keys of its config.yaml."""
     os.makedirs(d, exist_ok=True)
     log = MetricsLog()
     for split, per_round in (("test", test), ("val", val)):
@@ -110,7 +111,7 @@ def write_federation(d, method, test, val, select="val", holdout=False):
             log.add(rnd, -1, "ALL", split, "accuracy", mean)
             log.add(rnd, 0, next(iter(accs)), split, "accuracy", mean)  # a client row: ignored
     log.write(os.path.join(d, "metrics.parquet"))
-    cfg = {"method": method, "eval": {"select": select, "protocol": "lodo" if holdout else "personalized"}}
+    cfg = {"method": method, "eval": {"select": select, "protocol": "lodo" if holdout else "personalized"}, **config}
     with open(os.path.join(d, "config.yaml"), "w") as fh:
         yaml.safe_dump(cfg, fh)
 
@@ -210,3 +211,69 @@ def test_summary_puts_the_papers_figures_beside_ours(tmp_path):
     assert "Somebody et al., Table 1" in section
     plain = seeded_run(tmp_path / "exp_b", ["fedavg"])
     assert "Beside the published" not in render(plain)
+
+
+# ----------------------------------------------------------------------------- what ran
+
+def test_compare_says_when_runs_differ_in_dataset_or_rounds(tmp_path, capsys):
+    accs = ([{"a": 0.5, "b": 0.6}, {"a": 0.6, "b": 0.7}], [{"a": 0.4, "b": 0.4}, {"a": 0.5, "b": 0.5}])
+    write_federation(tmp_path / "digits", "fedavg", *accs, data={"dataset": "digits5"}, rounds=2)
+    write_federation(tmp_path / "office", "fedbn", *accs, data={"dataset": "office_caltech10"}, rounds=2)
+    write_federation(tmp_path / "longer", "fedprox", *accs, data={"dataset": "digits5"}, rounds=40)
+    assert main(["compare", str(tmp_path / "digits"), str(tmp_path / "office")]) == 0
+    text = flat(capsys.readouterr().out)
+    line = next(ln for ln in text.splitlines() if ln.startswith("**Not like for like:**"))
+    assert "dataset (digits5: fedavg; office_caltech10: fedbn)" in line and "rounds" not in line
+    assert text.index(line) < text.index("| method |")  # above the table
+    assert main(["compare", str(tmp_path / "digits"), str(tmp_path / "longer")]) == 0
+    text = flat(capsys.readouterr().out)
+    assert "differ in rounds (2: fedavg; 40: fedprox)" in text and "dataset" not in text
+    assert main(["compare", str(tmp_path / "digits"), str(tmp_path / "digits")]) == 0
+    assert "Not like for like" not in capsys.readouterr().out  # like for like: no line
+
+
+def test_a_variant_is_a_row_of_its_own_paired_with_the_first_entry(tmp_path):
+    """A comparison whose first entry is a variant: rows in the config's order (not the folders'),
+    the pairing against it, what each ran; a method whose server step the config changed says so."""
+    from raysim.app import rundir
+    from raysim.app.report import render
+    root = tmp_path / "cmp"
+    entries = {"zz-adam": {"method": "fedavg", "variant": "zz-adam", "server": {"optimizer": "adam"}},
+               "fedavg": {"method": "fedavg", "server": {"optimizer": "momentum"}},
+               "fedprox": {"method": "fedprox", "hp": {"fedprox": {"mu": 0.5}}}}
+    for i, (name, config) in enumerate(entries.items()):
+        method = config.pop("method")
+        for seed in (0, 1):
+            base = 0.5 + 0.1 * i + 0.02 * seed
+            test = [{"a": base, "b": base}, {"a": base + 0.1, "b": base + 0.2}]
+            val = [{"a": 0.1, "b": 0.1}, {"a": 0.9, "b": 0.9}]
+            write_federation(root / name / f"seed-{seed}", method, test, val, seed=seed,
+                             rounds=2, **config)
+    with open(root / "config.yaml", "w") as fh:
+        yaml.safe_dump({"method": None, "seeds": [0, 1], "methods": [
+            {"name": "zz-adam", "method": "fedavg", "server": {"optimizer": "adam"}}, "fedavg", "fedprox"]}, fh)
+    assert list(rundir.method_dirs(str(root))) == ["zz-adam", "fedavg", "fedprox"]
+    assert rundir.method_of(str(root / "zz-adam" / "seed-0")) == "fedavg"
+    text = flat(render(str(root)))
+    assert "## Paired comparison with zz-adam" in text
+    assert row(text, "fedavg + server momentum") and row(text.split("## Paired")[1], "fedprox")
+    what = text.split("## What ran")[1].split("Test accuracy")[0]
+    assert "**zz-adam**: method fedavg (variant zz-adam)" in what
+    assert "server: adam (lr 0.01, betas [0.9, 0.99], tau 0.001); the method's own: sgd (lr 1)" in what
+    assert "**fedavg + server momentum**: method fedavg" in what and "server: momentum (lr 1, momentum 0.9)" in what
+    assert "hyperparameters: mu=0.5 (default 0.01)" in what
+    assert "- rounds: 2; seeds 0, 1" in what
+    # the selected round is the final one everywhere: one table for both, the best test round too
+    assert "## Selected round: best validation AVG; here also the final round and the best test round" in text
+    assert "## Final round" not in text and "## Best test round" not in text
+    cmp = flat(main_out(["compare", str(root)]))
+    assert "| zz-adam |" in cmp and "| fedavg + server momentum |" in cmp and "Not like for like" not in cmp
+
+
+def main_out(argv) -> str:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
