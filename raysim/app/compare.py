@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from raysim.app.plots import save_figure
-from raysim.app.rundir import config_dict, holdout_dirs, method_dirs, read_metrics, seed_dirs
+from raysim.app.rundir import config_dict, failed_federations, holdout_dirs, method_dirs, read_metrics, seed_dirs
 from raysim.app.tables import (AGGREGATES, SELECT_LABELS, Ran, Summary, first_federation, markdown_table,
                                 partition_text, pct, ran, select_rule, summarize)
 from raysim.core.errors import UserError
@@ -265,8 +265,11 @@ def compare_markdown(entries: list[Entry], by: str = "method") -> tuple[str, pd.
                                for x in (s.values() if e.lodo else [s])))
     multi = any(len(r.seeds) > 1 for r in rows)
     differ = unlike(entries)
+    failed = [f"{os.path.join(run, folder)} ({line})" for run in dict.fromkeys(e.run_dir for e in entries)
+              for folder, line in failed_federations(run)]
+    left_out = ["Left out, their method raised (see each folder's error.txt): " + "; ".join(failed), ""] if failed else []
     out = ["# Comparison", "",
-           "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), ""] + ([differ, ""] if differ else []) + [
+           "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), ""] + ([differ, ""] if differ else []) + left_out + [
            f"Test accuracy (%) at each federation's selected round ({'; '.join(SELECT_LABELS[r] for r in rules)})"
            + ("; mean ± std over seeds (ddof 1)" if multi else "") + "."]
     frames = []

@@ -254,10 +254,22 @@ def _exchanges(dirs: dict[str, str]) -> str:
     return "\n## Data-derived statistics exchanged between clients\n\n" + "\n".join(lines) + "\n"
 
 
+def _failed_section(failed: list[tuple[str, str]]) -> str:
+    """The federations left out of the tables because their method raised."""
+    if not failed:
+        return ""
+    lines = [f"- {folder}: {line} (traceback in {folder}/error.txt)" for folder, line in failed]
+    return "\n## Failed, not in the tables (the method raised)\n\n" + "\n".join(lines) + "\n"
+
+
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
     dirs = rundir.method_dirs(run_dir)
+    failed = rundir.failed_federations(run_dir)
     if not dirs:
+        if failed:
+            raise UserError(f"{run_dir} holds no finished federation: "
+                            + "; ".join(f"{f} failed ({line}; see its error.txt)" for f, line in failed))
         raise UserError(f"no metrics.parquet found in {run_dir} or its method folders")
     title = os.path.basename(os.path.normpath(run_dir))
     rans = {name: ran(d) for name, d in dirs.items()}
@@ -289,7 +301,7 @@ def render(run_dir: str) -> str:
     else:
         text = summary_markdown(runs, title, header)
         text += "".join(method_section(*first[row]) for row in runs)
-    text += _exchanges(dirs) + beside_paper(run_dir)
+    text += _exchanges(dirs) + beside_paper(run_dir) + _failed_section(failed)
     write_text(os.path.join(run_dir, "summary.md"), text)
     plot_curves(panels, os.path.join(run_dir, "curves.png"))
     if any(sim_clock(df) is not None for frames in panels.values() for df in frames):

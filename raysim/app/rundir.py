@@ -281,6 +281,7 @@ def plan(cfg, run_dir: str) -> list[tuple[object, str]]:
 # ----------------------------------------------------------------------------- the federations of a run folder
 
 METRICS = "metrics.parquet"
+ERROR = "error.txt"  # a federation whose method raised: its traceback (raysim.engine.loop)
 CONFIG = "config.yaml"
 
 
@@ -320,14 +321,14 @@ def seed_dirs(method_dir: str) -> dict[int | None, str]:
     """{seed: folder} of a method's folder; {None: method_dir} when it ran one seed."""
     found = {}
     for key, path in _subdirs(method_dir, "seed-").items():
-        if key.isdigit() and (os.path.isfile(os.path.join(path, METRICS)) or holdout_dirs(path)):
+        if key.isdigit() and (_has_results(path) or holdout_dirs(path)):
             found[int(key)] = path
     return dict(sorted(found.items())) or {None: method_dir}
 
 
 def holdout_dirs(seed_dir: str) -> dict[str, str]:
     """{held-out domain: federation folder} of a leave-one-domain-out seed's folder ({} otherwise)."""
-    return {k: v for k, v in _subdirs(seed_dir, "holdout-").items() if os.path.isfile(os.path.join(v, METRICS))}
+    return {k: v for k, v in _subdirs(seed_dir, "holdout-").items() if _has_results(v)}
 
 
 def _subdirs(d: str, prefix: str) -> dict[str, str]:
@@ -338,9 +339,30 @@ def _subdirs(d: str, prefix: str) -> dict[str, str]:
 
 
 def _is_run(d: str) -> bool:
-    if os.path.isfile(os.path.join(d, METRICS)) or holdout_dirs(d):
+    if _has_results(d) or holdout_dirs(d):
         return True
     return None not in seed_dirs(d)
+
+
+def _has_results(folder: str) -> bool:
+    """A federation's folder with metrics to show: not one whose method raised (its error.txt)."""
+    return os.path.isfile(os.path.join(folder, METRICS)) and not os.path.isfile(os.path.join(folder, ERROR))
+
+
+def failed_federations(run_dir: str) -> list[tuple[str, str]]:
+    """(folder relative to ``run_dir``, the error's line) of every federation below ``run_dir``
+    whose method raised: the listings above leave them out, and report and compare say so."""
+    out = []
+    for root, dirs, names in os.walk(run_dir):
+        dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tb"))
+        if ERROR in names:
+            try:
+                with open(os.path.join(root, ERROR), encoding="utf-8") as fh:
+                    lines = [ln.strip() for ln in fh if ln.strip()]
+            except OSError:
+                lines = []
+            out.append((os.path.relpath(root, run_dir), lines[-1] if lines else "see error.txt"))
+    return out
 
 
 def method_of(folder: str) -> str:

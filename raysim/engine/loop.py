@@ -107,6 +107,9 @@ class FederationRun:
                 dump_yaml(cfg, config_path)
         t_start = time.perf_counter()
         round_seconds, last_eval, rnd, failure = [], {}, 0, None
+        with writing(os.path.join(self.run_dir, "error.txt")):  # a bug's record, from a run this one replaces
+            if os.path.isfile(os.path.join(self.run_dir, "error.txt")):
+                os.remove(os.path.join(self.run_dir, "error.txt"))
         try:
             self.server = self.backend.server(cfg)
             server_started = self.server.start.remote()
