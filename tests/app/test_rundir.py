@@ -101,6 +101,17 @@ def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_warning(tmp_path, monk
         RunLock(str(out)).__enter__()
 
 
+def test_another_hosts_live_lock_is_try_later_exit_75_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "since": "then"}))
+    assert main(["run", config_file(tmp_path), "--out", str(out)]) == 75
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(f"raysim: {out} is being written by another raysim (pid 1 on node-elsewhere, since then)")
+    assert f"try again then, or delete {out / LOCK} if that run is gone" in err
+    assert json.loads((out / LOCK).read_text())["host"] == "node-elsewhere"  # left as it was
+
+
 def _racer(base, rounds, start, results, decided):
     """One of two processes that take ``base/run-N``'s lock at the same moment, round after round,
     and hold it (if they got it) until the test has seen both outcomes."""
