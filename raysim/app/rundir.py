@@ -73,7 +73,11 @@ class RunLock:
         deadline = time.monotonic() + TAKEOVER_WAIT_S
         while not _create_once(self.path, self.me):
             lock = _LockFile.read(self.path)
-            if lock is None:  # removed since: try again
+            if lock is None:  # removed since: try again (a name that exists but opens as nothing, at most 5 s)
+                if time.monotonic() > deadline:
+                    raise UserError(f"{self.path} exists but is not a lock file that can be read (a dangling "
+                                    "link?); delete it if no raysim is writing this folder")
+                time.sleep(0.01)
                 continue
             gone = self._holder_gone(lock)
             if gone is None:
