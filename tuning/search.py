@@ -13,20 +13,29 @@ federation from its last checkpoint; the cause of a failure is printed, and kept
 Running the same command again restores the search and says what it runs: finished trials are
 kept (never re-run), interrupted and failed ones continue from their last checkpoint, and the
 remaining ones are sampled.
+
+One search per directory at a time: the search holds ``raysim.lock`` there (``RunLock``, as
+``raysim run`` does). raysim reads no pickle from the directory (a trial's error is read from
+Tune's ``error.txt``; the pickled copy Tune writes beside it is removed at once), but restoring a
+search is Tune's own ``Tuner.restore``, which unpickles Tune's state in ``tune/``: a directory
+another user owns or could have written to is refused before anything is read from it.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 import warnings
 
 import yaml
 
+from raysim.app.rundir import LOCK, RunLock
 from raysim.config import get_path, set_path
 from raysim.engine import checkpoint
 from raysim.core.errors import RunFailed, UserError, first_line
@@ -56,12 +65,22 @@ def main(path, overrides=(), out: str | None = None, address: str | None = None)
 
 
 def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print) -> dict:
-    """The search itself (also the programmatic entry point); returns the trials table and paths."""
+    """The search itself (also the programmatic entry point); returns the trials table and paths.
+
+    One search per directory: a second one on the same ``out`` is refused in one line while the
+    first holds its lock. Everything the search writes is writable by this user only (see
+    :func:`check_owned`)."""
     _quiet()
+    make_sampler(spec), make_scheduler(spec)  # option mistakes fail before anything is written
+    check_owned(out)
+    with private_writes(), RunLock(out):
+        return _search(spec, out, address, echo)
+
+
+def _search(spec: TuneSpec, out: str, address: str | None, echo) -> dict:
     from ray import tune
     from raysim.engine.cluster import ray_session
 
-    make_sampler(spec), make_scheduler(spec)  # option mistakes fail before anything is written
     resume = prepare_dir(out, spec)
     base = spec.base_config()
     address = address or base.runtime.address
@@ -82,6 +101,7 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
             # say what the restore runs: interrupted and failed trials continue from their last
             # checkpoint (a failed one gets its max_failures retries afresh), the rest are sampled
             echo("  " + resume_plan(saved_trials(exp_dir, out), spec.trials, _shown(out)))
+            check_owned(out)  # Tune unpickles its state: what repair_state copied in is checked too
             tuner = tune.Tuner.restore(exp_dir, trainable=trainable, resume_unfinished=True,
                                        resume_errored=True)
         else:
@@ -272,6 +292,7 @@ class Progress(Callback):
               f"({reason}){note}", flush=True)
 
     def on_trial_recover(self, iteration, trials, trial, **info):
+        drop_error_pickle(trial)
         run_dir = os.path.join(self.out, "trials", trial_name(trial))
         rounds = checkpoint.list_rounds(run_dir)
         where = f"its round-{rounds[-1]} checkpoint" if rounds else "round 1 (no checkpoint yet)"
@@ -281,6 +302,7 @@ class Progress(Callback):
               flush=True)
 
     def on_trial_error(self, iteration, trials, trial, **info):
+        drop_error_pickle(trial)
         self.finished = self._count(trials, trial)
         self._mark(trial, "error")
         attempts = _read_int(os.path.join(self.out, "trials", trial_name(trial), "attempts"), 0)
@@ -298,20 +320,28 @@ class Progress(Callback):
             pass
 
 
-def trial_error(trial):
-    """The trial's latest error as Tune recorded it: the exception object (pickled beside Tune's
-    text copy in the trial's folder), else that text; None if neither can be read."""
-    import cloudpickle
+def trial_error(trial) -> str | None:
+    """The trial's error as Tune recorded it in text (``error.txt``: one record per failure, the
+    latest last); None if there is none to read. Never its pickled copy: see drop_error_pickle."""
     try:
-        if trial.pickled_error_file and os.path.isfile(trial.pickled_error_file):
-            with open(trial.pickled_error_file, "rb") as fh:
-                return cloudpickle.load(fh)
         if trial.error_file and os.path.isfile(trial.error_file):
             with open(trial.error_file, encoding="utf-8", errors="replace") as fh:
-                return fh.read().rsplit("Failure # ", 1)[-1].split("\n", 1)[-1]
-    except Exception:  # diagnostics only: an unreadable record is an "unknown error"
+                return fh.read()
+    except OSError:  # diagnostics only: an unreadable record is an "unknown error"
         pass
     return None
+
+
+def drop_error_pickle(trial) -> None:
+    """Remove the pickle of a trial's exception that Tune writes beside its text copy, and Tune's
+    note of it. Tune unpickles that file for its ResultGrid; raysim reads the text, so no pickle
+    of an error is left in the search directory for anyone to load. Tune calls the callbacks
+    right after writing it, before its state is saved."""
+    with contextlib.suppress(OSError, TypeError, AttributeError):
+        if trial.pickled_error_file:
+            os.remove(trial.pickled_error_file)
+    with contextlib.suppress(AttributeError):
+        trial.run_metadata.pickled_error_filename = None
 
 
 # ----------------------------------------------------------------------------- Tune's state files
@@ -415,7 +445,7 @@ def error_line(err) -> str:
     ActorDiedError, whose first line is completed by the worker's exit type."""
     if err is None:
         return "unknown error"
-    if isinstance(err, str):  # Tune's text copy of an error that could not be pickled
+    if isinstance(err, str):  # Tune's text record of the error (error.txt)
         return _text_error_line(err)
     real = err
     while _is_task_error(real) and getattr(real, "cause", None) is not None:
@@ -443,14 +473,26 @@ def _is_task_error(err) -> bool:
 
 
 def _text_error_line(text: str) -> str:
-    """A traceback's text: its last ``Type: message`` line (the innermost exception)."""
+    """The latest failure of Tune's text record (``error.txt``: ``Failure # N (occurred at ...)``
+    and the error's text, per failure; or one error's text), in the words error_line gives the
+    exception itself: a UserError's message; else the traceback's last ``Type: message`` line (the
+    innermost exception, its module path and a resume hint cut); Ray's text for a dead actor
+    (which names no type) as its ActorDiedError, with the worker's exit type."""
+    text = re.split(r"(?m)^Failure # \d+ \(occurred at [^)\n]*\)$", text)[-1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    if lines[0].startswith("The actor died"):
+        exit_type = re.search(r"Worker exit type: (\w+)", text)
+        return (f"ActorDiedError: {lines[0]}"
+                + (f" (worker exit type {exit_type.group(1)})" if exit_type else ""))[:300]
     for line in reversed(lines):
         if "UserError:" in line or "TrainingDiverged:" in line:
             return line.split("Error:", 1)[1].strip()[:300]
         if re.match(r"^[\w.]+(Error|Exception|Failed|Interrupt)\b.*?: ", line):
-            return line[:300]
-    return (lines[0] if lines else "unknown error")[:300]
+            line = re.sub(r"^(?:\w+\.)+(?=\w+: )", "", line)  # raysim.core.errors.RunFailed -> RunFailed
+            return line.split("; resume with:", 1)[0].split("; rerun with:", 1)[0][:300]
+    return lines[0][:300]
 
 
 def collect_rows(grid, spec: TuneSpec, out: str) -> list[dict]:
@@ -555,12 +597,49 @@ def prepare_dir(out: str, spec: TuneSpec) -> bool:
                 shutil.rmtree(p)
             elif os.path.exists(p):
                 os.remove(p)
-    elif os.path.isdir(out) and os.listdir(out):
+    elif os.path.isdir(out) and [n for n in os.listdir(out) if not n.startswith(LOCK)]:  # (our own lock)
         raise UserError(f"{out} exists and is not a raysim search directory; choose another --out")
     os.makedirs(out, exist_ok=True)
     write_text(rec_path, "# The resolved search (raysim tune). A rerun of the same search resumes it.\n"
                + yaml.safe_dump(record, sort_keys=False))
     return False
+
+
+def check_owned(out: str) -> None:
+    """Refuse a search directory that another user owns or could have written to: the directory,
+    Tune's state in it (``tune/``, which ``Tuner.restore`` unpickles: pickles run code) and its
+    backup (copied back into ``tune/`` after a kill). Each must belong to this user and be
+    writable by no one else; a UserError names the first that is not."""
+    me = os.getuid()
+    for top in (out, os.path.join(out, EXPERIMENT), os.path.join(out, BACKUP)):
+        for folder, dirs, names in os.walk(top) if top != out else [(out, [], [])]:
+            for path in [folder] + [os.path.join(folder, n) for n in dirs + names]:
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                why = (f"owned by uid {st.st_uid}" if st.st_uid != me
+                       else "writable by others" if st.st_mode & stat.S_IWOTH and not stat.S_ISLNK(st.st_mode)
+                       else "writable by its group" if st.st_mode & stat.S_IWGRP and not stat.S_ISLNK(st.st_mode)
+                       else None)
+                if why:
+                    fix = "choose another --out" if st.st_uid != me else f"run: chmod -R go-w {out}"
+                    raise UserError(
+                        f"{path} is {why}: raysim tune resumes a search by unpickling Tune's state in {out}, "
+                        f"which runs code, so it uses only a search directory that this user (uid {me}) "
+                        f"alone can write; {fix}")
+
+
+@contextlib.contextmanager
+def private_writes():
+    """Files and folders created inside are writable by this user only (the umask plus go-w),
+    whatever the umask was (002 is common): a later resume accepts them (check_owned)."""
+    old = os.umask(0o077)
+    os.umask(old | 0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def _normalise(obj):

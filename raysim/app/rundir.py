@@ -2,9 +2,10 @@
 failed write said in one line.
 
 * :class:`RunLock`: ``RUN_DIR/raysim.lock`` holds the writer's pid, host and start time. A second
-  ``raysim run`` on a held folder is refused; a lock whose holder is gone (same host and its pid
-  dead or reused, the same Slurm job requeued, or another host's lock not refreshed for
-  ``LOCK_STALE_S``) is taken over with a warning.
+  ``raysim run`` on a held folder is refused (exit 2; exit 75, try later, when the holder is on
+  another host: its lock is taken over once that host stops refreshing it); a lock whose holder is
+  gone (same host and its pid dead or reused, the same Slurm job requeued, or another host's lock
+  not refreshed for ``LOCK_STALE_S``) is taken over with a warning, by one taker only.
 * :func:`holds_run_of`: whether ``RUN_DIR`` already holds a run of this config (then rerunning
   the same command resumes it); a different config there is refused, naming what differs.
 * :class:`WriteFailed` and :func:`writing`: an ``OSError`` at a write (no space, no permission, a
@@ -21,24 +22,40 @@ import contextlib
 import copy
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
 import time
 
-from raysim.core.errors import UserError, first_line
-from raysim.core.files import write_json
+from raysim.core.errors import TryLater, UserError, first_line
+from raysim.core.files import writing
 from raysim.engine.datashards import dataset_domains
 
 LOCK = "raysim.lock"
 LOCK_REFRESH_S = 30.0  # the holder touches its lock this often ...
 LOCK_STALE_S = 120.0  # ... and another host takes over a lock untouched this long
+TAKEOVER_WAIT_S = 5.0  # how long to wait for another process's takeover of a stale lock to end
 
 
 # ----------------------------------------------------------------------------- one writer
 
 class RunLock:
-    """``with RunLock(run_dir):`` the command's writer lock (see the module's docstring)."""
+    """``with RunLock(run_dir):`` the command's writer lock (see the module's docstring).
+
+    A lock file is created whole or not at all: a hard link of a written file, which fails when
+    the name exists. A stale lock is removed only by the one process that claims it first: the
+    claim is ``raysim.lock.takeover-<its token>``, created the same way, so it exists once per
+    stale lock. The claimer checks that the lock is still the one it judged stale, removes it,
+    drops its claim and creates its own lock like any newcomer. A lock is thus never removed by
+    two takers (the race of remove-then-create, where a second taker removed the first one's
+    fresh lock), and a taker that dies holding a claim leaves a claim that is itself stale.
+
+    Why link, not ``flock`` or ``rename``: ``link(2)`` and ``unlink(2)`` are atomic on an NFS
+    server (the classic NFS-safe lock file), whereas ``flock`` is local to one client on some
+    mounts (``local_lock=flock``, ``nolock``) and absent on others (Lustre without ``-o flock``),
+    and a rename moves whatever file holds the name at that moment, so the renamer cannot tell
+    whether it moved the stale lock or a fresh one."""
 
     def __init__(self, run_dir: str, warn=None):
         self.run_dir, self.path = run_dir, os.path.join(run_dir, LOCK)
@@ -46,35 +63,41 @@ class RunLock:
         self.me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _process_start(os.getpid()),
                    "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500],
                    "slurm_job": os.environ.get("SLURM_JOB_ID"),
-                   "slurm_restart": _int(os.environ.get("SLURM_RESTART_COUNT"))}
+                   "slurm_restart": _int(os.environ.get("SLURM_RESTART_COUNT")),
+                   "token": secrets.token_hex(8)}
         self._stop = threading.Event()
         self._thread = None
 
     def __enter__(self) -> "RunLock":
         os.makedirs(self.run_dir, exist_ok=True)
-        for _ in range(3):  # a takeover races another taker at most once or twice
-            try:  # the lock appears whole (a hard link of a written file), or not at all
-                write_json(self.path, self.me, exclusive=True)
-            except FileExistsError:
-                holder = _read_json(self.path)
-                gone = self._holder_gone(holder)
-                if gone is None:
-                    raise UserError(self._held_message(holder)) from None
-                self.warn(f"raysim: warning: taking over {self.path} ({gone})")
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
+        deadline = time.monotonic() + TAKEOVER_WAIT_S
+        while not _create_once(self.path, self.me):
+            lock = _LockFile.read(self.path)
+            if lock is None:  # removed since: try again (a name that exists but opens as nothing, at most 5 s)
+                if time.monotonic() > deadline:
+                    raise UserError(f"{self.path} exists but is not a lock file that can be read (a dangling "
+                                    "link?); delete it if no raysim is writing this folder")
+                time.sleep(0.01)
                 continue
-            self._thread = threading.Thread(target=self._refresh, name="raysim-lock", daemon=True)
-            self._thread.start()
-            return self
-        raise UserError(self._held_message(_read_json(self.path)))
+            gone = self._holder_gone(lock)
+            if gone is None:
+                raise self._refusal(lock)
+            if self._remove_stale(lock):
+                self.warn(f"raysim: warning: taking over {self.path} ({gone})")
+            elif time.monotonic() > deadline:
+                raise TryLater(f"another raysim is taking over the stale lock {self.path}; try again")
+            else:  # another process claimed it first: its lock appears in a moment
+                time.sleep(0.01)
+        self._thread = threading.Thread(target=self._refresh, name="raysim-lock", daemon=True)
+        self._thread.start()
+        return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        holder = _read_json(self.path)
-        if holder and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
+        lock = _LockFile.read(self.path)
+        if lock is not None and lock.ident == self.me["token"]:
             with contextlib.suppress(OSError):
                 os.remove(self.path)
 
@@ -84,10 +107,30 @@ class RunLock:
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
-    def _holder_gone(self, holder: dict | None) -> str | None:
+    def _remove_stale(self, lock: "_LockFile", depth: int = 0) -> bool:
+        """Remove ``lock`` (the run's lock, or a claim on one) if this process is the one that
+        claims it; False if another process claimed it first."""
+        claim = f"{self.path}.takeover-{lock.ident}"
+        if not _create_once(claim, self.me):
+            held = _LockFile.read(claim)
+            if held is not None and depth < 2 and self._holder_gone(held) is not None:
+                self._remove_stale(held, depth + 1)  # its claimer died mid-takeover
+            return False
+        try:
+            now = _LockFile.read(lock.path)
+            if now is None or now.ident != lock.ident:  # already taken over (this claim came after)
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock.path)
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(claim)
+
+    def _holder_gone(self, lock: "_LockFile") -> str | None:
         """Why the holder is gone (the lock may be taken over), or None while it may be alive."""
-        age = _age(self.path)
-        if not holder:  # created but not yet written, or damaged: give a starting writer a moment
+        holder, age = lock.holder, lock.age
+        if not holder:  # damaged: give a starting writer a moment (an older raysim wrote in place)
             return f"an unreadable lock file, {age:.0f} s old" if age > 10 else None
         pid, host = holder.get("pid"), holder.get("host")
         if host == self.me["host"]:
@@ -106,15 +149,67 @@ class RunLock:
             return f"left by pid {pid} on {host}, not refreshed for {age:.0f} s"
         return None
 
-    def _held_message(self, holder: dict | None) -> str:
+    def _refusal(self, lock: "_LockFile") -> Exception:
+        """A live holder on this host: a UserError (exit 2); another host's lock that is not yet
+        stale: TryLater (exit 75), since it is taken over once that host stops refreshing it."""
+        holder = lock.holder
         who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
                if holder else "a raysim that is starting")
-        tail = ""
+        held = f"{self.run_dir} is being written by another raysim ({who})"
         if holder and holder.get("host") != self.me["host"]:
-            tail = (f"; a lock another host stops refreshing is taken over after {LOCK_STALE_S:.0f} s, or "
-                    f"delete {self.path} if that run is gone")
-        return (f"{self.run_dir} is being written by another raysim ({who}): one run per folder at a time; "
-                f"wait for it or choose another --out{tail}")
+            at = time.strftime("%H:%M:%S", time.localtime(time.time() + LOCK_STALE_S - lock.age))
+            return TryLater(f"{held}, whose lock was refreshed {lock.age:.0f} s ago: it is taken over if not "
+                            f"refreshed for {LOCK_STALE_S:.0f} s, at {at} at the earliest; try again then, or "
+                            f"delete {self.path} if that run is gone")
+        return UserError(f"{held}: one run per folder at a time; wait for it or choose another --out")
+
+
+class _LockFile:
+    """A lock file as read once: its holder (None if unreadable), identity and age."""
+
+    def __init__(self, path: str, holder: dict | None, ident: str, age: float):
+        self.path, self.holder, self.ident, self.age = path, holder, ident, age
+
+    @classmethod
+    def read(cls, path: str) -> "_LockFile | None":
+        """None if there is no such file. The identity is the holder's random token (a lock
+        written by an older raysim has none: its inode stands in)."""
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                text = fh.read()
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = None
+        holder = holder if isinstance(holder, dict) else None
+        token = holder.get("token") if holder else None
+        ident = token if isinstance(token, str) and token.isalnum() else f"i{st.st_dev:x}-{st.st_ino}"
+        return cls(path, holder, ident, time.time() - st.st_mtime)
+
+
+def _create_once(path: str, record: dict) -> bool:
+    """Create ``path`` holding ``record`` (JSON) unless it exists; True if this call created it.
+
+    Written to a temporary file first and hard-linked into place: the file appears whole, and
+    only one link to a name can succeed, on a local disk and on an NFS server alike. A link whose
+    reply NFS lost and retransmitted reports EEXIST though it succeeded: the temporary file's
+    second link tells."""
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    with writing(path, (FileExistsError,)):
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(record, fh)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return os.stat(tmp).st_nlink > 1
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def _pid_alive(pid) -> bool:
@@ -142,26 +237,10 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
-def _age(path: str) -> float:
-    try:
-        return time.time() - os.stat(path).st_mtime
-    except OSError:
-        return 0.0
-
-
 def _int(text) -> int | None:
     try:
         return int(text)
     except (TypeError, ValueError):
-        return None
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
         return None
 
 

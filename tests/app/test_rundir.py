@@ -16,7 +16,7 @@ import yaml
 from raysim.app import experiment
 from raysim.cli import main
 from raysim.config import dump_yaml, load_config
-from raysim.core.errors import Interrupted, RunFailed, Terminated, UserError
+from raysim.core.errors import Interrupted, RunFailed, Terminated, TryLater, UserError
 from raysim.app.rundir import LOCK, LOCK_STALE_S, RunLock, holds_run_of
 from raysim.engine import loop
 from raysim.engine.backend import InProcess
@@ -77,20 +77,94 @@ def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_warning(tmp_path, monk
     assert "which is gone" in take({"pid": gone.pid, "host": here, "since": "then"})[0]
     # same host, the pid alive but another process (reused): its start time differs
     assert "belongs to another process" in take({"pid": os.getppid(), "host": here, "started": -1})[0]
-    # another host: refused while it refreshes the lock, taken over once it stopped
+    # another host: try later (exit 75) while it refreshes the lock, taken over once it stopped
     (out / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "since": "then"}))
-    with pytest.raises(UserError, match="being written by another raysim .*node-elsewhere.* taken over after"):
+    os.utime(out / LOCK, (os.path.getmtime(out / LOCK) - 20,) * 2)
+    with pytest.raises(TryLater, match=r"being written by another raysim \(pid 1 on node-elsewhere, since then\), "
+                                       r"whose lock was refreshed 20 s ago: it is taken over if not refreshed for "
+                                       r"120 s, at \d\d:\d\d:\d\d at the earliest; try again then") as later:
         RunLock(str(out)).__enter__()
+    assert "\n" not in str(later.value)
     assert "not refreshed for" in take({"pid": 1, "host": "node-elsewhere"}, age_s=LOCK_STALE_S + 5)[0]
     # the same Slurm job, requeued onto another node
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     warned = take({"pid": 1, "host": "node7", "slurm_job": "4242", "slurm_restart": 0})
     assert "Slurm job 4242 before it was requeued" in warned[0]
+    # a taker that died holding its claim on a stale lock: the claim is stale too
+    (out / f"{LOCK}.takeover-t1").write_text(json.dumps({"pid": gone.pid, "host": here}))
+    assert "which is gone" in take({"pid": gone.pid, "host": here, "token": "t1"})[0]
+    assert sorted(p.name for p in out.iterdir()) == []
     # a live holder on this host is never taken over
     (out / LOCK).write_text(json.dumps({"pid": os.getppid(), "host": here}))
     with pytest.raises(UserError, match=f"pid {os.getppid()}"):
         RunLock(str(out)).__enter__()
+
+
+def test_another_hosts_live_lock_is_try_later_exit_75_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "since": "then"}))
+    assert main(["run", config_file(tmp_path), "--out", str(out)]) == 75
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(f"raysim: {out} is being written by another raysim (pid 1 on node-elsewhere, since then)")
+    assert f"try again then, or delete {out / LOCK} if that run is gone" in err
+    assert json.loads((out / LOCK).read_text())["host"] == "node-elsewhere"  # left as it was
+
+
+def _racer(base, rounds, start, results, decided):
+    """One of two processes that take ``base/run-N``'s lock at the same moment, round after round,
+    and hold it (if they got it) until the test has seen both outcomes."""
+    for n in range(rounds):
+        start.wait(30)
+        try:
+            with RunLock(os.path.join(base, f"run-{n}"), warn=lambda line: None):
+                results.put((n, os.getpid(), "won"))
+                decided.wait(30)
+        except (UserError, RunFailed) as err:
+            results.put((n, os.getpid(), f"refused: {err}"))
+            decided.wait(30)
+
+
+def test_two_processes_racing_for_a_stale_lock_one_wins(tmp_path):
+    """The rerun-after-a-crash case: a dead pid's lock in the folder and two processes taking it
+    at the same moment (released together by a barrier). Exactly one gets it, 50 times out of
+    50; the other is refused in one line naming the winner; no claim or temporary file is left."""
+    import multiprocessing
+
+    rounds = 50
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for n in range(rounds):  # as this raysim writes a lock (with a token) and as an older one did
+        dead_lock = {"pid": dead.pid, "host": socket.gethostname(), **({"token": f"dead{n}"} if n % 2 else {})}
+        (tmp_path / f"run-{n}").mkdir()
+        (tmp_path / f"run-{n}" / LOCK).write_text(json.dumps(dead_lock))
+    ctx = multiprocessing.get_context("fork")  # two long-lived racers: a fork per round would cost seconds
+    start, decided, results = ctx.Barrier(3), ctx.Barrier(3), ctx.Queue()
+    racers = [ctx.Process(target=_racer, args=(str(tmp_path), rounds, start, results, decided)) for _ in range(2)]
+    for racer in racers:
+        racer.start()
+    try:
+        for n in range(rounds):
+            start.wait(30)
+            got = sorted((results.get(timeout=30) for _ in racers), key=lambda r: r[2] != "won")
+            holder = json.loads((tmp_path / f"run-{n}" / LOCK).read_text())
+            decided.wait(30)
+            assert got[0][2] == "won" and got[1][2].startswith("refused"), (n, got)
+            winner = got[0][1]
+            assert holder["pid"] == winner
+            assert f"being written by another raysim (pid {winner} on " in got[1][2] and "\n" not in got[1][2]
+    except BaseException:
+        start.abort()  # a failed round: the racers stop waiting
+        decided.abort()
+        raise
+    finally:
+        for racer in racers:
+            racer.join(30)
+            if racer.is_alive():
+                racer.kill()
+    assert [racer.exitcode for racer in racers] == [0, 0]
+    assert [p.name for p in tmp_path.glob("run-*/*")] == []  # the winners' locks released, no claims behind
 
 
 # ----------------------------------------------------------------------------- the same command resumes

@@ -136,6 +136,10 @@ def test_a_trial_that_keeps_failing_shows_its_cause(searches):
     summary = lines[lines.index(next(line for line in lines if line.startswith("2 trials: "))):]
     assert any(line.startswith(f"  trial 2 failed after 2 attempts: {KILLED}") for line in summary), summary
     assert not any("unknown error" in line for line in lines)
+    # read from Tune's text record: no pickle of an error is left in the search directory
+    out = searches["out"]
+    assert list(out.rglob("error.txt")) and not list(out.rglob("error.pkl"))
+    assert not (out / "raysim.lock").exists()  # each search released its lock
     assert searches["first"]["exit_code"] == 0  # trial 1 gave a best config
     # Optuna: trial 1 complete with its value, trial 2 failed once
     states = [(t.number, t.state.name, t.value) for t in searches["first_study"]]
