@@ -9,7 +9,7 @@ one-line user error naming the operation and the model (:mod:`raysim.engine.dete
 """
 from __future__ import annotations
 
-from raysim.core.errors import first_line
+from raysim.core.errors import UserError, first_line
 from raysim.engine import cluster
 
 
@@ -23,23 +23,28 @@ class RayActors:
     stop_pool = staticmethod(cluster.stop_pool)
     alive = staticmethod(cluster.alive)
 
-    def server(self, cfg):
-        import ray
+    def server(self, cfg, avoid_node: str | None = None):
+        """A Server actor; ``avoid_node``: the node of the one it replaces (see cluster.server_placement)."""
         from raysim.engine.server import Server
+        where = cluster.server_placement(avoid_node, cfg.runtime.server_cpus)
         return cluster.health_checked(Server).options(num_cpus=cfg.runtime.server_cpus,
-                                                      scheduling_strategy=cluster.server_placement()).remote(cfg)
+                                                      scheduling_strategy=where).remote(cfg)
 
     def launch_pool(self, cfg, num_hosts: int):
         self.model = cfg.model.name
         return cluster.launch_pool(cfg, num_hosts)
 
-    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
-        self.model = cfg.model.name
-        return cluster.create_pool(cfg, num_hosts, num_clients, run_dir=run_dir)
-
     def kill(self, actor) -> None:
         import ray
         ray.kill(actor)
+
+    def fits(self, cfg, num_hosts: int) -> bool:
+        """Whether the cluster holds ``num_hosts`` hosts and the server at all (free or not)."""
+        try:
+            cluster.check_resources(cfg, num_hosts)
+            return True
+        except UserError:
+            return False
 
     def get(self, refs):
         import ray
@@ -145,7 +150,7 @@ class InProcess(RayActors):
     """Server and hosts as objects in this process. Payloads still go through ``ray.put`` when a
     Ray instance is up (hosts read them from the object store as on a cluster)."""
 
-    def server(self, cfg):
+    def server(self, cfg, avoid_node: str | None = None):
         from raysim.engine.server import Server
         return _Handle(Server(cfg), cfg.model.name)
 
@@ -161,16 +166,14 @@ class InProcess(RayActors):
                                f"{num_clients}")
         return ready
 
-    def create_pool(self, cfg, num_hosts: int, num_clients: int, run_dir=None):
-        hosts, starts, pg = self.launch_pool(cfg, num_hosts)
-        self.await_pool(hosts, starts, num_clients, run_dir)
-        return hosts, cluster.owner_of(num_hosts), pg
-
     def stop_pool(self, hosts, pg, unawaited=()) -> None:
         pass
 
     def kill(self, actor) -> None:
         pass
+
+    def fits(self, cfg, num_hosts: int) -> bool:
+        return True
 
     def get(self, refs):
         return [_value(r) for r in refs] if isinstance(refs, list) else _value(refs)

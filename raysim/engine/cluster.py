@@ -414,13 +414,22 @@ def alive(actor, timeout: float = 30.0) -> bool:
     return not silent({0: actor}, timeout)
 
 
-def server_placement():
+def server_placement(avoid_node: str | None = None, cpus: float = 0.0):
     """Inside a Tune trial the server takes bundle 0 of the trial's placement group (the hosts take
-    1..H); otherwise Ray places it."""
+    1..H); otherwise Ray places it, away from ``avoid_node`` where another live node has room: a
+    Server replaced after its node failed would otherwise often land on that dying node again
+    (Ray still counts it alive for a while) and cost a second restart."""
+    import ray
     from ray.util.placement_group import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
     pg = get_current_placement_group()
-    return None if pg is None else PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    if pg is not None:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    if avoid_node is None:
+        return None
+    others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != avoid_node
+              and n.get("Resources", {}).get("CPU", 0) >= cpus]
+    return NodeAffinitySchedulingStrategy(others[0], soft=True) if others else None
 
 
 def parallel_slots(cfg, num_jobs: int) -> int:

@@ -83,6 +83,7 @@ class FederationRun:
         self.callbacks = list(callbacks)
         self.backend = backend or RayActors()
         self.watchdog = Watchdog(cfg.runtime.stall_timeout_s, stop=stop, warn=_warn, node_failure=local_ray_failure)
+        self.server_node = None  # the Ray node the Server runs on (a replacement avoids it)
         self.doing = "start-up"  # what the driver waits on, for the watchdog's lines
         self.starting = True  # actors are (re)starting: the watchdog gives them a start-up floor
         self.server = None
@@ -114,7 +115,8 @@ class FederationRun:
             self.server = self.backend.server(cfg)
             server_started = self.server.start.remote()
             self._launch_hosts_early()
-            self.info = self.backend.get(server_started)
+            self.info = self._call(server_started)
+            self.server_node = self._call(self.server.ready.remote()).get("node_id")
             self.n = self.info["num_clients"]
             self.num_hosts, _ = host_layout(cfg.runtime, self.n)
             self._start_hosts()
@@ -224,19 +226,19 @@ class FederationRun:
         """With runtime.num_hosts fixed, the pool starts while the server loads the data (about
         half of a small federation's start-up); otherwise its size waits for the client count."""
         rt = self.cfg.runtime
-        if rt.num_hosts is not None and rt.clients_per_host is None:
+        # a pool the cluster could not hold waits for the client count, which caps it (num_hosts=64, 5 clients)
+        if rt.num_hosts is not None and rt.clients_per_host is None and self.backend.fits(self.cfg, rt.num_hosts):
             self.hosts, self._unawaited, self.pg = self.backend.launch_pool(self.cfg, rt.num_hosts)
 
     def _start_hosts(self) -> None:
         total = self.n + self.info["num_targets"]
-        if self._unawaited and len(self.hosts) == self.num_hosts:  # launched early, at the right size
-            starts, self._unawaited = self._unawaited, []
-            self.backend.await_pool(self.hosts, starts, total, run_dir=self.run_dir)
-            self.owner = owner_of(self.num_hosts)
-            return
-        self._stop_hosts()  # an early pool larger than the clients (or nothing, normally)
-        self.hosts, self.owner, self.pg = self.backend.create_pool(self.cfg, self.num_hosts, total,
-                                                                   run_dir=self.run_dir)
+        if not (self._unawaited and len(self.hosts) == self.num_hosts):  # not launched early at this size
+            self._stop_hosts()  # an early pool larger than the clients (or nothing, normally)
+            self.hosts, self._unawaited, self.pg = self.backend.launch_pool(self.cfg, self.num_hosts)
+        self._call(self._unawaited)  # the hosts load their data, under the watchdog
+        starts, self._unawaited = self._unawaited, []
+        self.backend.await_pool(self.hosts, starts, total, run_dir=self.run_dir)
+        self.owner = owner_of(self.num_hosts)
 
     def _stop_hosts(self) -> None:
         self.backend.stop_pool(self.hosts, self.pg, self._unawaited)
@@ -397,8 +399,9 @@ class FederationRun:
                 if lost.server:
                     self.server_restarts += 1
                     self.backend.kill(self.server)
-                    self.server = self.backend.server(self.cfg)
+                    self.server = self.backend.server(self.cfg, avoid_node=self.server_node)
                     self._call(self.server.start.remote())
+                    self.server_node = self._call(self.server.ready.remote()).get("node_id")
                 else:
                     self.host_restarts += 1
                     if ckpt is None:

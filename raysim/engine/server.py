@@ -191,8 +191,11 @@ class Server:
         return True
 
     def ready(self) -> dict:
-        """Where the server runs (its process id: what a chaos test kills)."""
-        return {"pid": os.getpid()}
+        """Where the server runs: its process id (what a chaos test kills) and Ray node (which a
+        replacement avoids)."""
+        import ray
+        node = {"node_id": ray.get_runtime_context().get_node_id()} if ray.is_initialized() else {}
+        return {"pid": os.getpid(), **node}
 
     def export_state(self) -> dict:
         return self.state
