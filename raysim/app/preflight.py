@@ -26,6 +26,7 @@ still found where it is now, as one line.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -74,21 +75,28 @@ def preflight(cfg, address: str | None = None, own_ray: bool = True) -> Checked:
     jobs = plan(cfg, "")  # with leave-one-domain-out, this reads the dataset's domains
     counted: dict[tuple, int] = {}
     for data_key, group in _by_dataset(jobs):
-        dataset = None if data_key is None else _load(group[0].data, group[0].seed)
+        # the dataset, read once when a federation's clients are not counted yet
+        dataset = functools.cache(functools.partial(_load, group[0].data, group[0].seed))
         for one in group:
             label = _label(cfg, one)
             model_registry.builder(one.model.name)  # a known model (building it is left to the run)
             try:
-                n = _num_clients(one, dataset, data_key, counted)
+                n = _num_clients(one, data_key, dataset, counted)
             except UserError as err:
                 raise UserError(f"{label}{err}") from None
             _check_participation(one, n, label)
             if checked.cpus_here is not None:
                 checked.cpus_needed.append(_check_local_cpus(one, n, checked.cpus_here, label))
             checked.clients.append(n)
-        del dataset  # one dataset in memory at a time
+        dataset.cache_clear()  # one dataset in memory at a time
     checked.federations = len(jobs)
     return checked
+
+
+# the clients of a partition of a generated dataset (no data.root): a function of the dataset's
+# name, seed and options and of the partition alone, so this process counts each once (repeated
+# checks, e.g. a notebook's or a test's runs, read no data again); a dataset on disk may change
+_GENERATED_COUNTS: dict[tuple, int] = {}
 
 
 def _data_key(one) -> tuple | None:
@@ -120,17 +128,17 @@ def _load(data, seed: int):
             from None
 
 
-def _num_clients(one, dataset, data_key, counted: dict) -> int:
-    """The federation's training clients, its partition built from the dataset's sizes (or read
-    from the shards' manifest); one partition per distinct (dataset, partition, pooling)."""
+def _num_clients(one, data_key, dataset, counted: dict) -> int:
+    """The federation's training clients: its partition built from the sizes of ``dataset()``'s
+    splits, or read from the shards' manifest; each distinct (dataset, partition, pooling) once."""
     from raysim.engine.federation import Federation
 
-    fed = Federation(one, dataset=dataset)
-    key = (data_key, json.dumps(one.data.partition, sort_keys=True, default=str), fed.pooled,
-           one.data.shards)
-    if key not in counted:
-        counted[key] = fed.num_clients
-    return counted[key]
+    pooled = Federation(one).pooled  # the method trains on every client's data as one (DeepAll)
+    key = (data_key, json.dumps(one.data.partition, sort_keys=True, default=str), pooled, one.data.shards)
+    memo = _GENERATED_COUNTS if data_key is not None and data_key[1] is None else counted
+    if key not in memo:
+        memo[key] = Federation(one, dataset=None if data_key is None else dataset()).num_clients
+    return memo[key]
 
 
 def _label(cfg, one) -> str:
