@@ -163,7 +163,7 @@ def _check_participation(one, n: int, label: str) -> None:
     k = one.clients_per_round
     if k is not None and k > n:
         raise UserError(f"{label}clients_per_round = {k} but the federation has {n} clients "
-                        f"({_partition_text(one)}); expected at most {n}, or fraction = k / {n}")
+                        f"({_partition_text(one)}); expected at most {n}")
 
 
 def _check_local_cpus(one, n: int, cpus_here: int, label: str) -> float:
