@@ -34,7 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster address: auto, ray://host:port (default: local Ray)")
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
-    run.add_argument("--check", action="store_true", help="validate the config, print it resolved, and exit")
+    run.add_argument("--check", action="store_true",
+                     help="check everything that needs no training (the config; the dataset and its root; that "
+                          "the partition fits the data; clients_per_round; the hosts against this machine's CPUs, "
+                          "or that --address answers), print the config resolved, and exit; no Ray, no run folder")
+    run.add_argument("--debug", action="store_true",
+                     help="run every federation in this process, one after another, without Ray: breakpoint() "
+                          "and pdb work inside a method (slower; no parallel hosts)")
 
     rep = sub.add_parser("report", help="re-render summary.md and curves.png from metrics.parquet")
     rep.add_argument("run_dir")
@@ -93,7 +99,9 @@ def cmd_run(ns) -> int:
         if ns.args and "=" not in ns.args[0]:
             raise UserError("--resume takes the run directory's own config; give no CONFIG file")
         cfg = resume_config(ns.resume, ns.args)
-        run(cfg, out=ns.resume, address=ns.address, progress=not ns.quiet, resume=True)
+        if ns.check:
+            return _check(cfg, ns.address)
+        run(cfg, out=ns.resume, address=ns.address, progress=not ns.quiet, resume=True, debug=ns.debug)
         return 0
     from raysim.app.shipped import find_config, quickstart
 
@@ -104,11 +112,21 @@ def cmd_run(ns) -> int:
             raise UserError(f"no CONFIG given and the quickstart config is missing: {path}")
     cfg = load_checked(find_config(path), overrides)
     if ns.check:
-        import yaml
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-        return 0
+        return _check(cfg, ns.address)
     from raysim.app.experiment import run
-    run(cfg, out=ns.out, address=ns.address, progress=not ns.quiet)
+    run(cfg, out=ns.out, address=ns.address, progress=not ns.quiet, debug=ns.debug)
+    return 0
+
+
+def _check(cfg, address: str | None) -> int:
+    """``raysim run --check``: everything :mod:`raysim.app.preflight` finds without training, then
+    the config resolved (YAML) and a comment line saying what was checked."""
+    import yaml
+
+    from raysim.app.preflight import preflight
+    checked = preflight(cfg, address=address)
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(checked.summary())
     return 0
 
 

@@ -1,6 +1,8 @@
 """data.partition is typed per kind (raysim.core.partition_spec): a wrong key or value is a one-line
 error when the config is loaded (and so from `raysim run --check`), while the config keeps the
-mapping as written; the declared defaults are the ones make_partition uses; no run reads `paper`."""
+mapping as written; a partition larger than the data is one line from `--check` too, before any
+training (raysim.app.preflight); the declared defaults are the ones make_partition uses; no run
+reads `paper`."""
 import ast
 import dataclasses
 import os
@@ -83,6 +85,28 @@ def test_run_check_reports_a_bad_partition_in_one_line(override, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+TOO_BIG = {  # per kind, a partition rotated_mnist's ~660 training images per domain cannot hold
+    "per_domain": ({"kind": "per_domain", "clients_per_domain": 4, "train_size": 200},
+                   "partition: 4 clients x 200 train images exceed domain '0''s "),
+    "dirichlet": ({"kind": "dirichlet", "alpha": 1, "clients_per_domain": 10, "min_size": 100},
+                  "partition: 10 clients x min_size 100 exceed domain '0''s "),
+    "cross_device": ({"kind": "cross_device", "num_clients": 12, "samples_per_client": 400},
+                     "partition: 2 clients x 400 samples exceed domain '0''s "),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_partition_larger_than_the_data_is_one_line_before_training(kind):
+    from raysim.app.configs import load_checked
+    from raysim.app.preflight import preflight
+
+    partition, message = TOO_BIG[kind]
+    cfg = load_checked(raw={"method": "fedavg", "data": {"dataset": "rotated_mnist", "partition": partition}})
+    with pytest.raises(UserError) as err:
+        preflight(cfg, own_ray=False)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("kind", KINDS)

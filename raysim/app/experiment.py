@@ -19,7 +19,7 @@ from raysim.config import ExperimentConfig, dump_yaml
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TrainingDiverged, UserError, first_line
 from raysim.engine.metrics import MetricsWriter
 from raysim.app.progress import LiveBoard, ProgressCallback, live_terminal
-from raysim.app.rundir import RunLock, has_progress, holds_run_of, plan
+from raysim.app.rundir import LOCK, RunLock, has_progress, holds_run_of, plan
 from raysim.core.files import WriteFailed, writing
 from raysim.engine.loop import Callback, FederationResult, FederationRun, finished
 from raysim.app.tracking import log_report, tracking_callbacks
@@ -48,15 +48,19 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     backend), so ``breakpoint()`` and pdb work inside a method."""
     import ray
 
+    from raysim.app.preflight import preflight
     from raysim.engine.cluster import no_leftover_ray_processes
 
     check_methods(cfg)
-    run_dir = out or default_run_dir(cfg)
     own_ray = not ray.is_initialized() and not debug  # a Ray node this call starts, and ends, itself
+    preflight(cfg, address=address, own_ray=own_ray)  # every mistake found without training: before Ray, before the folder
+    run_dir = out or default_run_dir(cfg)
+    made, held = folders_to_make(run_dir), False
     try:
         with writing(run_dir):
             os.makedirs(run_dir, exist_ok=True)
         with RunLock(run_dir), (no_leftover_ray_processes() if own_ray else contextlib.nullcontext()):
+            held = True  # the folder is this command's to remove (another writer's lock refuses it above)
             if not resume and holds_run_of(cfg, run_dir):
                 resume = True
                 if progress:
@@ -66,6 +70,52 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
         hint = (f"; resume with: raysim run --resume {run_dir}" if os.path.isfile(os.path.join(run_dir, "config.yaml"))
                 and has_progress(run_dir) else "")
         raise Interrupted(f"interrupted{hint}", signal=getattr(err, "signal", 2)) from None
+    except UserError:
+        if held:
+            remove_unstarted(made)
+        raise
+
+
+# what a run writes before its first round: nothing that a rerun of a corrected command needs
+_UNSTARTED = frozenset({"config.yaml", "hosts.json", LOCK})
+
+
+def folders_to_make(run_dir: str) -> list[str]:
+    """The folders ``os.makedirs(run_dir)`` would create, outermost first ([] where it exists)."""
+    missing, path = [], os.path.abspath(run_dir)
+    while not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing[::-1]
+
+
+def remove_unstarted(made: list[str]) -> None:
+    """Remove the run folder this command made (``made``: :func:`folders_to_make`'s list) after a
+    user error ended the run before any federation got anywhere: it holds only the config, the
+    hosts' placement and TensorBoard's header files, and a corrected command starts afresh. A
+    folder holding progress, or any other file, is kept. Faults (a lost actor, Ctrl-C, a full disk)
+    keep theirs: their messages name it for ``raysim run --resume``."""
+    if not made:
+        return
+    run_dir = made[-1]
+    if not os.path.isdir(run_dir) or has_progress(run_dir):
+        return
+    for root, dirs, files in os.walk(run_dir):
+        if os.path.basename(root) == "tb":  # TensorBoard's event files: the config's hparams, no round yet
+            dirs[:] = []
+            continue
+        if set(files) - _UNSTARTED:
+            return
+    import shutil
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in reversed(made[:-1]):  # runs/, if this command made it and nothing else is there
+        try:
+            os.rmdir(parent)
+        except OSError:
+            break
 
 
 def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool,

@@ -171,21 +171,145 @@ def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int 
 def join_cluster(address: str, runtime_env: dict | None = None) -> None:
     """Connect to the Ray cluster at ``address`` with token authentication on, unless
     ``RAY_AUTH_MODE`` is set (then it is the cluster's own setting, e.g. ``disabled``);
-    ``runtime_env``: the job's (:func:`job_runtime_env`)."""
+    ``runtime_env``: the job's (:func:`job_runtime_env`). An address where no Ray cluster answers
+    is one line within seconds (:func:`probe_cluster`), before Ray's own connect, which retries
+    for many minutes."""
     import ray
 
     if "RAY_AUTH_MODE" not in os.environ:
         _token_auth()
+    probe_cluster(address)
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True,
                  configure_logging=True, **({"runtime_env": runtime_env} if runtime_env else {}))
     except ray.exceptions.AuthenticationError as err:
-        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(err).split('. ')[0]}; raysim joins "
-                        "with token authentication: give the cluster's token in RAY_AUTH_TOKEN_PATH, "
-                        "RAY_AUTH_TOKEN or ~/.ray/auth_token (or set RAY_AUTH_MODE=disabled for a cluster "
-                        "without authentication)") from None
+        raise UserError(_token_message(address, str(err).split(". ")[0])) from None
     except (ConnectionError, ValueError, RuntimeError) as err:
         raise UserError(f"cannot connect to the Ray cluster at {address}: {first_line(err)}") from None
+
+
+PROBE_TIMEOUT_S = 3.0  # probe_cluster: the TCP connect, then the one gRPC call, each at most this long
+GCS_PORT, CLIENT_PORT = 6379, 10001  # Ray's defaults: `ray start --head --port`, --ray-client-server-port
+
+
+def probe_cluster(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Check that a Ray cluster answers at ``address`` (``host:port``, ``ray://host:port`` or
+    ``auto``) as ``ray.init`` will dial it, or raise a one-line UserError naming the address and
+    what to check, within about ``2 * timeout_s``.
+
+    Ray 2.60's own connect waits far longer: each of its 20 tries (``RAY_NUM_REDIS_GET_RETRIES``)
+    waits ``gcs_rpc_server_connect_timeout_s`` (5 s) for the channel, as long again for its pubsub,
+    then ``py_gcs_connect_timeout_s`` (30 s) for the cluster id: about 14 minutes. Those two are
+    process-wide settings (RayConfig, read when Ray is imported); lowering them would also cut
+    short every later wait of the driver on a busy cluster. So they are left alone, and a TCP
+    connect and one gRPC call answer first: the GCS's ``GetClusterId`` (a Ray Client server's
+    ``ClusterInfo`` ping for ``ray://``), with the job's token where token authentication is on.
+    Its status tells the mistakes apart: nothing listening, no answer (a firewall), another
+    service on that port (the Ray Client port given without ``ray://``, or the GCS port with it),
+    a missing or wrong token. Once the GCS has answered, Ray's connect succeeds at its first try."""
+    from ray._private import services
+
+    if "RAY_AUTH_MODE" not in os.environ:
+        _token_auth()
+    client = address.startswith("ray://")
+    given = address
+    if client:
+        target = address[len("ray://"):].rstrip("/")
+        target = target if ":" in target.rsplit("]", 1)[-1] else f"{target}:{CLIENT_PORT}"
+    else:
+        try:  # "auto" (or a RAY_ADDRESS) found as Ray finds it; localhost as the address Ray dials
+            target = services.canonicalize_bootstrap_address(address)
+        except (ConnectionError, ValueError) as err:
+            raise UserError(f"--address {address}: {first_line(err)}; {_ADDRESS_FORMS}") from None
+        if target is None:
+            raise UserError(f"--address {address}: no running Ray cluster found on this machine; {_ADDRESS_FORMS}")
+        if target != address:
+            given = f"{address} (which Ray dials as {target})"
+    host, _, port_text = target.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise UserError(f"--address {address}: expected host:port; {_ADDRESS_FORMS}")
+    port = int(port_text)
+    role = (f"Ray Client server port (ray start --ray-client-server-port, {CLIENT_PORT} by default), not its GCS "
+            "port (then give host:port, without ray://)" if client else
+            f"GCS port (ray start --head --port, {GCS_PORT} by default), not its Ray Client server port (then "
+            "give ray://host:port)")
+    unreachable = (f"check that the cluster's head node is running (`ray status` there), that {port} is its {role}, "
+                   "and that no firewall between here and there drops the connection")
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except socket.timeout:
+        raise UserError(f"cannot reach the Ray cluster at {given}: no answer within {timeout_s:g} s; {unreachable}") from None
+    except OSError as err:
+        raise UserError(f"cannot reach the Ray cluster at {given}: {err.strerror or first_line(err)}; "
+                        f"{unreachable}") from None
+    _answers_as_ray(address, given, target, client, timeout_s)
+
+
+_ADDRESS_FORMS = (f"expected host:port (the head node's GCS port, {GCS_PORT} by default), ray://host:port (its "
+                  f"Ray Client server, {CLIENT_PORT} by default) or auto (a cluster started on this machine)")
+
+
+def _answers_as_ray(address: str, given: str, target: str, client: bool, timeout_s: float) -> None:
+    """One gRPC call to ``target``: the GCS's GetClusterId, or a Ray Client server's ClusterInfo
+    ping for ``ray://``; a one-line UserError unless it answers as that service."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+
+    def call(as_client: bool):
+        stub = ray_client_pb2_grpc.RayletDriverStub(channel) if as_client else \
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        request = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING) if as_client else \
+            gcs_service_pb2.GetClusterIdRequest()
+        method = stub.ClusterInfo if as_client else stub.GetClusterId
+        try:
+            method(request, timeout=timeout_s, metadata=_auth_metadata())
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as err:
+            return err.code(), err.details() or ""
+
+    what = "Ray Client server" if client else "GCS"
+    with grpc.insecure_channel(target) as channel:
+        status, detail = call(client)
+        if status == grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, but another of Ray's
+            other, _ = call(not client)
+            if other in (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED):
+                plain = address[len("ray://"):] if client else address
+                raise UserError(f"{given} is a Ray cluster's {'GCS' if client else 'Ray Client server'} port, not its "
+                                f"{what} port: give --address {plain if client else 'ray://' + plain}")
+    if status == grpc.StatusCode.OK:
+        return
+    if status == grpc.StatusCode.UNAUTHENTICATED:
+        if os.environ.get("RAY_AUTH_MODE", "token") != "token":
+            raise UserError(f"the Ray cluster at {address} wants token authentication but RAY_AUTH_MODE="
+                            f"{os.environ['RAY_AUTH_MODE']}: unset it and give the cluster's token in "
+                            "RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token")
+        raise UserError(_token_message(address, "the cluster refused this job's token" if _auth_metadata()
+                                       else "the cluster wants a token and none was given"))
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise UserError(f"the Ray cluster at {given} does not answer: its {what} port took the connection but gave "
+                        f"no answer within {timeout_s:g} s; check that the head node is healthy (`ray status` there)")
+    port = f"Ray Client server port as ray://host:port ({CLIENT_PORT}" if client else f"GCS port as host:port ({GCS_PORT}"
+    detail = (detail.strip().splitlines() or ["no detail"])[0]
+    raise UserError(f"no {'Ray Client server' if client else 'Ray GCS'} answers at {given}, another service does ({status.name}: {detail[-90:]}); "
+                    f"give the head node's {port} by default)")
+
+
+def _auth_metadata() -> tuple:
+    """The job's token as gRPC metadata where token authentication is on and a token is given."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    loader = AuthenticationTokenLoader.instance()
+    if os.environ.get("RAY_AUTH_MODE", "token") != "token" or not loader.has_token():
+        return ()
+    return tuple(loader.get_token_for_http_header().items())
+
+
+def _token_message(address: str, why: str) -> str:
+    return (f"cannot connect to the Ray cluster at {address}: {why}; raysim joins with token authentication: "
+            "give the cluster's token in RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token (or set "
+            "RAY_AUTH_MODE=disabled for a cluster without authentication)")
 
 
 def _token_auth() -> None:

@@ -1,4 +1,5 @@
 """The command line as a user meets it: one-line errors, exit code 2, no traceback."""
+import os
 import subprocess
 import sys
 
@@ -25,3 +26,26 @@ def test_user_errors_are_one_line_with_exit_code_2(args, fragment, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("raysim: error: "), r.stderr
     assert fragment in lines[0]
     assert "Traceback" not in r.stderr
+
+
+# raysim's entry point in a fresh interpreter, timed from the moment main() starts: torch is
+# imported first, as it is by every command before its work (5-12 s alone on a loaded 2-core machine)
+TIMED_MAIN = ("import sys, time, torch, raysim.cli; t0 = time.perf_counter(); code = raysim.cli.main(sys.argv[1:]); "
+              "print(f'{time.perf_counter() - t0:.2f}'); sys.exit(code)")
+
+
+def test_an_address_where_no_cluster_answers_is_one_line_within_10_s(tmp_path):
+    """`raysim run --address 127.0.0.1:1` (nothing listens there): one line naming the address and
+    what to check, exit 2, within 10 s, no run folder; Ray's own connect would retry ~14 minutes."""
+    (tmp_path / "c.yaml").write_text("method: fedavg\nrounds: 1\ndata: {dataset: rotated_mnist}\n")
+    for env in ({}, {"RAY_AUTH_TOKEN": "f" * 64}):  # without a token it used to claim a missing token first
+        r = subprocess.run([sys.executable, "-c", TIMED_MAIN, "run", "c.yaml", "--address", "127.0.0.1:1"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **env})
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        print(f"{r.stdout.strip()} s: {lines}")
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith("raysim: error: cannot reach the Ray cluster at 127.0.0.1:1")
+        assert "head node is running" in lines[0] and "firewall" in lines[0]
+        assert float(r.stdout) <= 10.0
+        assert os.listdir(tmp_path) == ["c.yaml"]

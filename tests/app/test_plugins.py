@@ -188,6 +188,7 @@ def test_joining_a_cluster_or_starting_ray_hands_ray_init_the_runtime_env(plugin
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append(kw))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(cluster, "_token_auth", lambda: None)
+    monkeypatch.setattr(cluster, "probe_cluster", lambda address: None)  # as if a cluster answered there
     monkeypatch.setenv("RAY_AUTH_TOKEN", "f" * 64)
     with cluster.ray_session("10.0.0.1:6379", methods=["fedavg", "plug_ok:Mine"]):
         pass

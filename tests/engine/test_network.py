@@ -173,6 +173,7 @@ def test_joining_a_cluster_asks_for_token_authentication(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(cluster, "_token_auth", lambda: os.environ.__setitem__("RAY_AUTH_MODE", "token"))
+    monkeypatch.setattr(cluster, "probe_cluster", lambda address: None)  # as if a cluster answered there
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     with pytest.raises(UserError, match=r"cannot connect to the Ray cluster at 10\.0\.0\.1:6379: Token "
                                         r"authentication is enabled but no authentication token was found; "
