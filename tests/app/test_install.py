@@ -55,6 +55,25 @@ def test_a_config_in_neither_place_is_one_line_naming_both(tmp_path, monkeypatch
     assert str(tmp_path) in msg and str(ROOT / "configs") in msg
 
 
+def test_the_public_load_config_finds_a_shipped_config_from_any_directory(tmp_path, monkeypatch):
+    """The README's Python example, ``raysim.load_config("configs/quickstart.yaml")``, outside a
+    checkout; raysim.config's own ``load_config`` (below the app) reads the path as given."""
+    import raysim
+    from raysim.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = raysim.load_config("configs/quickstart.yaml", ["methods=[fedavg,fedbn]", "rounds=5"])
+    assert cfg.name == "quickstart" and cfg.rounds == 5 and cfg.method_names() == ["fedavg", "fedbn"]
+    assert raysim.load_config("fdse/digits5.yaml").data.dataset == "digits5"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "quickstart.yaml").write_text("name: mine\nmethod: fedavg\n")
+    assert raysim.load_config("configs/quickstart.yaml").name == "mine"  # the user's file first
+    with pytest.raises(UserError, match="config file not found: nosuch.yaml"):
+        raysim.load_config("nosuch.yaml")
+    with pytest.raises(UserError):
+        load_config("fdse/digits5.yaml")
+
+
 # ----------------------------------------------------------------------------- the wheel
 
 def test_the_wheel_installed_in_a_fresh_venv_runs_the_quickstart_check_from_elsewhere(tmp_path):
