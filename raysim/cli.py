@@ -76,7 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     nmeth = nsub.add_parser("method", help="write NAME.py (a method: FedAvg with a hyperparameter and its own "
                                            "client step) and test_NAME.py beside it; never overwrites")
     nmeth.add_argument("name", metavar="NAME", help="the method's name and module name (a Python identifier)")
-    nmeth.add_argument("--dir", default=".", help="folder for the two files (default: the current one)")
+    nmeth.add_argument("--dir", default=".", help="folder for the files (default: the current one)")
+    nmeth.add_argument("--from", dest="example", metavar="EXAMPLE",
+                       help="start from a shipped example instead, under NAME: fednova (FedNova, NeurIPS 2020: "
+                            "NAME.py, test_NAME.py, NAME_tune.yaml)")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune + Optuna")
     tune.add_argument("args", nargs="*", metavar="CONFIG [key=value ...]")
@@ -187,9 +190,10 @@ def cmd_tune(ns) -> int:
 
 def cmd_new(ns) -> int:
     from raysim.app.scaffold import new_method, next_steps
-    for path in new_method(ns.name, ns.dir):
+    written = new_method(ns.name, ns.dir, example=ns.example)
+    for path in written:
         print(f"wrote {path}")
-    print(next_steps(ns.name, ns.dir), end="")
+    print(next_steps(ns.name, ns.dir, tune=any(p.endswith("_tune.yaml") for p in written)), end="")
     return 0
 
 

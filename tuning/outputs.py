@@ -8,6 +8,10 @@
 The best trial is the best *completed* one (all rounds run): an early-stopped trial's value comes
 from fewer rounds, so re-running its config would not reproduce it. Only when no trial completed
 does it fall back to the best trial with a value.
+
+Accuracies are stored as Tune and Optuna see them, fractions (trials.parquet too); what a person
+reads (the printed lines and table, best.yaml's header, search.png's axis) shows them in percent,
+labelled, as the rest of raysim does (:func:`shown`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,24 @@ STOP_REASONS = ("completed", "early_stopped", "diverged", "error", "unfinished")
 METRIC_COLUMNS = ("objective", "val_avg_final", "val_avg_best", "val_all_final", "val_all_best",
                   "train_loss_final")
 TAIL_COLUMNS = ("rounds_run", "rounds", "stop_reason", "attempts", "seconds", "error", "run_dir")
+
+
+def is_accuracy(metric: str) -> bool:
+    """The validation metrics (``val_*``) are accuracies, stored as fractions; ``train_loss`` is not."""
+    return metric.startswith("val_")
+
+
+def shown(metric: str, value) -> str:
+    """``value`` of ``metric`` as a person reads it: an accuracy in percent (``75.00%``), a loss
+    as is (``0.4321``), ``-`` for none."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{100 * float(value):.2f}%" if is_accuracy(metric) else f"{float(value):.4f}"
+
+
+def axis_label(metric: str) -> str:
+    """``metric`` with its unit where it has one: ``val_avg_best (%)``."""
+    return f"{metric} (%)" if is_accuracy(metric) else metric
 
 
 def trials_frame(rows: list[dict], space_keys: list[str]):
@@ -78,7 +100,7 @@ def write_best(spec, row, path: str, search_dir: str) -> dict:
     cfg.name = f"{spec.name}-best"
     header = [
         f"# Best trial of the search in {search_dir}: trial {int(row['trial'])} ({row['trial_id']}),",
-        f"# {spec.metric} = {row['objective']:.4f} after {int(row['rounds_run'])}/{int(row['rounds'])} rounds "
+        f"# {spec.metric} = {shown(spec.metric, row['objective'])} after {int(row['rounds_run'])}/{int(row['rounds'])} rounds "
         f"({row['stop_reason']}).",
         "# Searched: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in params.items()),
         f"# Re-run: raysim run {path}",
@@ -103,6 +125,7 @@ def plot_search(df, spec, path: str, best=None) -> None:
               "diverged": dict(marker="x", c="C3", label="diverged"),
               "unfinished": dict(marker="s", facecolors="none", edgecolors="0.5", label="unfinished")}
     scored = df[df["objective"].notna()]
+    scale = 100.0 if is_accuracy(spec.metric) else 1.0  # accuracies drawn in percent
     for i, key in enumerate(keys):
         ax = axes[i // ncols][i % ncols]
         s = spec.space[key]
@@ -110,10 +133,11 @@ def plot_search(df, spec, path: str, best=None) -> None:
         for reason, style in styles.items():
             mask = (scored["stop_reason"] == reason).to_numpy()
             if mask.any():
-                ax.scatter([x for x, m in zip(xs_all, mask) if m], scored["objective"][mask], s=36, **style)
+                ax.scatter([x for x, m in zip(xs_all, mask) if m], scale * scored["objective"][mask], s=36,
+                           **style)
         if best is not None:
             bx, _ = _positions([best[key]], s)
-            ax.scatter(bx, [best["objective"]], marker="*", s=220, c="gold", edgecolors="k", zorder=5,
+            ax.scatter(bx, [scale * best["objective"]], marker="*", s=220, c="gold", edgecolors="k", zorder=5,
                        label="best")
         if s.kind == "loguniform":  # the whole searched range, decades only
             ax.set_xscale("log")
@@ -125,7 +149,7 @@ def plot_search(df, spec, path: str, best=None) -> None:
         if ticks is not None:
             ax.set_xticks(range(len(ticks)), [str(t) for t in ticks])
         ax.set_xlabel(key)
-        ax.set_ylabel(spec.metric)
+        ax.set_ylabel(axis_label(spec.metric))
         ax.grid(alpha=0.3)
         if i == 0:
             ax.legend(fontsize=7, loc="best")
@@ -156,8 +180,7 @@ def format_table(df, spec) -> str:
     view = pd.DataFrame({"trial": df["trial"]})
     for key in spec.space:
         view[sp.short_name(key)] = [_fmt(v) for v in df[key]]
-    view[spec.metric] = [("-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4f}")
-                         for v in df["objective"]]
+    view[axis_label(spec.metric)] = [shown(spec.metric, v) for v in df["objective"]]
     view["rounds"] = [f"{r}/{t}" for r, t in zip(df["rounds_run"], df["rounds"])]
     view["stop"] = df["stop_reason"]
     return view.to_string(index=False)

@@ -279,7 +279,7 @@ class Progress(Callback):
         self.finished = self._count(trials, trial)
         r = trial.last_result or {}
         value = r.get(self.metric)
-        shown = "-" if value is None else f"{value:.4f}"
+        shown = outputs.shown(self.metric, value)  # an accuracy in percent
         reason = stop_reason(r, error=False)
         note = " (finished before the restore; not re-run)" if r.get("replayed") else ""
         retries = trial.run_metadata.num_failures
@@ -557,7 +557,7 @@ def finish(spec: TuneSpec, rows: list[dict], out: str, echo=print) -> dict:
              "run the same command again to re-run failed trials from their last checkpoint)")
     unfinished = counts.get("unfinished", 0) + max(0, spec.trials - len(df))
     if best is not None:
-        echo(f"best: trial {int(best['trial'])}, {spec.metric} = {best['objective']:.4f} "
+        echo(f"best: trial {int(best['trial'])}, {spec.metric} = {outputs.shown(spec.metric, best['objective'])} "
              f"-> {best_path} (re-run: raysim run {_shown(best_path)})")
     echo(f"wrote {os.path.join(out, 'trials.parquet')}, search.png" + (", best.yaml" if best is not None else ""))
     if unfinished:

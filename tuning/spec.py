@@ -19,6 +19,7 @@ from typing import Any
 
 from raysim.app.configs import load_checked
 from raysim.app.rundir import with_holdout
+from raysim.app.shipped import shipped_config, shipped_configs
 from raysim.config import ExperimentConfig, apply_overrides, get_path, merge, parse_override, read_yaml, set_path
 from raysim.core.errors import UserError, first_line
 from raysim.tuning import space as sp
@@ -217,7 +218,12 @@ def _resolve_experiment(value, base_dir: Path, from_cli: bool) -> dict:
     for c in candidates:
         if c.is_file():
             return read_yaml(c)
-    raise UserError(f"experiment config not found: {value} (looked in {', '.join(str(c.parent) for c in candidates)})")
+    shipped = shipped_config(value)  # then the configs raysim ships, as `raysim run` looks
+    if shipped is not None:
+        return read_yaml(shipped)
+    raise UserError(f"experiment config not found: {value} (looked in "
+                    f"{', '.join(str(c.parent) for c in candidates)} and among raysim's shipped configs "
+                    f"in {shipped_configs()})")
 
 
 def _load_experiment(raw: dict) -> ExperimentConfig:

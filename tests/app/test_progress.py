@@ -1,6 +1,7 @@
-"""Progress as a person sees it: ``raysim run`` of two federations side by side in a real terminal
-(a detached tmux pane, captured while it runs) shows one line per federation redrawn in place and
-ends with a final table; piped, it writes plain lines without escape codes."""
+"""Progress as a person sees it: ``raysim run`` of two federations side by side in a real
+80-column terminal (a detached tmux pane, captured while it runs) shows one line per federation
+redrawn in place and ends with a final table, headers whole; piped, it writes plain lines without
+escape codes, the accuracy on evaluated rounds only."""
 import json
 import os
 import re
@@ -40,7 +41,7 @@ def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_p
     run = " ".join([sys.executable, "-m", "raysim", "run", *(f"'{a}'" for a in ARGS), "--out", str(tmp_path / "run")])
     log = tmp_path / "exit"
     command = f"{run}; echo $? > {log}; sleep 600"  # the pane stays for the final capture
-    subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", session, "-x", "200", "-y", "40",
+    subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", session, "-x", "80", "-y", "40",
                     "-c", REPO, command], env=env(), check=True)
     try:
         captures, deadline = [], time.monotonic() + 150
@@ -68,6 +69,10 @@ def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_p
             assert seen == sorted(seen) and len(set(seen)) >= 2, (method, seen)
         assert any(re.search(r"eta \d+:\d\d", c) for c in live), "no ETA shown"
         assert any(re.search(r"\d+\.\d%", c) for c in live), "no test AVG shown"
+        # on an 80-column terminal every header whole, live and final
+        headers = {line.strip() for c in [*live, history] for line in c.splitlines() if line.startswith("method ")}
+        assert {re.sub(r"\s+", " ", h) for h in headers} == {"method round loss test AVG time status",
+                                                              "method rounds loss test AVG time status"}, headers
 
         # at the end: the final table, and nowhere in the scroll-back a second line per federation
         assert "raysim quickstart: 2/2 federations done" in history, history
@@ -130,9 +135,55 @@ def test_board_rows_from_threads_and_final_table():
     final.print(board._render())
     lines = final.file.getvalue().splitlines()
     assert lines[0].strip() == "demo: 3/4 federations done"
-    assert re.search(r"^m0\s+seed 0\s+2/4\s+0\.500\s+20\.0%\s+0:00\s+stopped", lines[2]), lines
+    assert lines[1].split() == ["method", "seed", "rounds", "loss", "test", "AVG", "time", "status"]
+    assert re.search(r"^m0\s+0\s+2/4\s+0\.500\s+20\.0%\s+0:00\s+stopped", lines[2]), lines
     for i in range(1, 4):
-        assert re.search(rf"^m{i}\s+seed {i}\s+4/4\s+0\.250\s+40\.0%\s+0:00\s+done", lines[2 + i]), lines
+        assert re.search(rf"^m{i}\s+{i}\s+4/4\s+0\.250\s+40\.0%\s+0:00\s+done", lines[2 + i]), lines
+
+
+def board_lines(width: int, final: bool) -> list[str]:
+    """The live table (or the final one) of four long-labelled federations on a ``width``-column
+    terminal: held-out domains and seeds, the longest built-in method name, a plugin's."""
+    import io
+
+    from rich.console import Console
+
+    from raysim.app.progress import LiveBoard, ProgressCallback
+
+    board = LiveBoard("raysim digits5_lodo_all", console=Console(file=io.StringIO(), force_terminal=True,
+                                                                 width=width, height=40))
+    rows = [("fedavg_mixstyle", "holdout mnistm, seed 1"), ("my_method", "holdout usps, seed 12"),
+            ("fedbn", "holdout synth, seed 1"), ("fedavg", "holdout svhn, seed 1")]
+    for i, (method, detail) in enumerate(rows):
+        cb = ProgressCallback(120, method, "lines", board=board, method=method, detail=detail)
+        cb.on_start(None)
+        if i:  # the first one is still in round 1: "round 1…" where the ETA goes
+            cb.on_round(100, RoundSummary(round=100, train_loss=0.1234), {"test": {"AVG": 0.456}}, None)
+    board.final = final
+    out = Console(file=io.StringIO(), width=width, force_terminal=False)
+    out.print(board._render())
+    return out.file.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_the_table_fits_80_columns_and_narrower_ones_drop_time_then_loss(final):
+    rounds = "rounds" if final else "round"
+    lines = board_lines(80, final)
+    assert max(len(line.rstrip()) for line in lines) <= 80 and "fedavg_mixstyle  mnistm, 1" in lines[2], lines
+    assert lines[1].split() == ["method", "held", "out,", "seed", rounds, "loss", "test", "AVG", "time", "status"]
+    assert re.search(r"^fedavg_mixstyle\s+mnistm, 1\s+0/120\s+-\s+-\s+\S+\s+(stopped|round 1…)$", lines[2].rstrip())
+    assert re.search(r"^my_method\s+usps, 12\s+100/120\s+0\.123\s+45\.6%\s+0:00\s+(stopped|eta 0:00)$",
+                     lines[3].rstrip()), lines
+    for width, columns in ((70, [rounds, "loss", "test", "AVG", "status"]),  # the time column goes first
+                           (60, [rounds, "test", "AVG", "status"])):  # then the loss
+        narrow = board_lines(width, final)
+        assert max(len(line.rstrip()) for line in narrow) <= width and "fedavg_mixstyle  mnistm, 1" in narrow[2]
+        assert narrow[1].split()[-len(columns):] == columns and "time" not in narrow[1], narrow
+    narrowest = board_lines(45, final)  # then the labels are cut, never a number or the status
+    assert max(len(line.rstrip()) for line in narrowest) <= 45, narrowest
+    assert re.search(r"^fed\w*…\s.*\s0/120\s+-\s+(stopped|round 1…)$", narrowest[-4].rstrip()), narrowest
+    for line in narrowest[-3:]:
+        assert re.search(r"\s100/120\s+45\.6%\s+(stopped|eta 0:00)$", line.rstrip()), narrowest
 
 
 def test_plain_line_format(capsys):
@@ -142,7 +193,9 @@ def test_plain_line_format(capsys):
     cb.on_start(None)
     cb.on_round(1, RoundSummary(round=1, train_loss=2.5), None, None)
     cb.on_round(2, RoundSummary(round=2, train_loss=1.25), {"test": {"AVG": 0.4321}}, None)
+    cb.on_round(3, RoundSummary(round=3, train_loss=1.0), None, None)  # not evaluated: no accuracy
     cb.on_end(None)
     assert capsys.readouterr().err.splitlines() == [
         "fedbn[seed 1] round 1/10  loss 2.500  elapsed 0:00  eta 0:00",
-        "fedbn[seed 1] round 2/10  loss 1.250  acc(AVG)  43.2%  elapsed 0:00  eta 0:00"]
+        "fedbn[seed 1] round 2/10  loss 1.250  acc(AVG)  43.2%  elapsed 0:00  eta 0:00",
+        "fedbn[seed 1] round 3/10  loss 1.000  elapsed 0:00  eta 0:00"]

@@ -67,7 +67,7 @@ def test_best_yaml_is_a_complete_config_raysim_run_accepts(spec, rows, tmp_path)
     path = tmp_path / "best.yaml"
     outputs.write_best(spec, outputs.pick_best(df, "max"), str(path), str(tmp_path))
     text = path.read_text()
-    assert text.startswith("# Best trial") and "val_avg_best = 0.7500" in text
+    assert text.startswith("# Best trial") and "val_avg_best = 75.00% after 4/4 rounds" in text  # in percent
     cfg = load_config(path)
     assert cfg.method == "fedprox" and cfg.rounds == 4 and cfg.name == "demo-best"
     assert cfg.hp["fedprox"]["mu"] == 0.1 and cfg.train.lr == 0.02 and cfg.train.momentum == 0.9
@@ -80,7 +80,17 @@ def test_search_png_and_table(spec, rows, tmp_path):
     outputs.plot_search(df, spec, str(path), outputs.pick_best(df, "max"))
     assert path.stat().st_size > 5000 and path.read_bytes()[:4] == b"\x89PNG"
     table = outputs.format_table(df, spec)
-    assert "early_stopped" in table and "0.7500" in table and "mu" in table
+    assert "early_stopped" in table and "75.00%" in table and "mu" in table
+    assert "val_avg_best (%)" in table.splitlines()[0] and "0.75" not in table  # percent, labelled
+
+
+def test_a_person_reads_accuracies_in_percent_and_the_loss_as_is():
+    """Tune and Optuna keep fractions (trials.parquet too); the printed lines, the table,
+    best.yaml's header and search.png's axis show percent, as `raysim run` does."""
+    assert outputs.shown("val_avg_best", 0.4321) == "43.21%" and outputs.shown("val_all", 1) == "100.00%"
+    assert outputs.shown("train_loss", 0.4321) == "0.4321" and outputs.shown("val_avg", None) == "-"
+    assert outputs.shown("val_avg", float("nan")) == "-"
+    assert outputs.axis_label("val_avg_best") == "val_avg_best (%)" and outputs.axis_label("train_loss") == "train_loss"
 
 
 def test_mixed_choice_values_become_text(tmp_path):

@@ -157,3 +157,21 @@ def test_ready_configs_load(path):
 def test_ready_configs_exist():
     names = {p.stem for p in (ROOT / "configs" / "tune").glob("*.yaml")}
     assert {"fdse", "dapperfl", "fedprox"} <= names
+
+
+def test_experiment_names_a_shipped_config_as_raysim_run_finds_one(tmp_path, monkeypatch):
+    """``experiment:`` relative to the tune file, then the current directory, then among the
+    configs raysim ships (with or without the leading ``configs/``): a wheel user has no configs/."""
+    monkeypatch.chdir(tmp_path)
+    for value in ("configs/fdse/digits5.yaml", "fdse/digits5.yaml"):
+        (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"experiment": value, "method": "fedprox"}))
+        assert load_spec(tmp_path / "tune.yaml").base_config().data.dataset == "digits5"
+    (tmp_path / "fdse").mkdir()  # the user's own file of that name wins
+    (tmp_path / "fdse" / "digits5.yaml").write_text(yaml.safe_dump({**TINY, "method": "fedprox", "seed": 42}))
+    assert load_spec(tmp_path / "tune.yaml").base_config().seed == 42
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"experiment": "fdse/nosuch.yaml", "method": "fedavg"}))
+    with pytest.raises(UserError) as err:
+        load_spec(tmp_path / "tune.yaml")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("experiment config not found: fdse/nosuch.yaml")
+    assert "shipped configs in " + str(ROOT / "configs") in msg
