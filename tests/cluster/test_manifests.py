@@ -123,3 +123,19 @@ def test_dockerfile_and_readme():
     for ref in ("aws-gpu.yaml", "rayjob-run.yaml", "rayjob-tune.yaml", "ray job submit", "data.shards",
                 "runtime.gpus_per_host", "1M clients"):
         assert ref in readme, f"cluster/README.md does not mention {ref}"
+
+
+def test_the_dockerfile_copies_everything_the_wheel_is_built_from():
+    """The image builds the wheel from its COPY lines: a source the build reads but the image lacks
+    (setup.py's package list, the shipped examples) fails the build."""
+    import ast
+    import re
+
+    install_test = CLUSTER.parent / "tests" / "app" / "test_install.py"
+    SOURCES = next(ast.literal_eval(node.value) for node in ast.parse(install_test.read_text()).body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "SOURCES")
+    copied = set()
+    for line in (CLUSTER / "Dockerfile").read_text().splitlines():
+        if re.match(r"COPY\b", line):
+            copied.update(p.rstrip("/") for p in line.split()[1:-1] if not p.startswith("--"))
+    assert set(SOURCES) <= copied, f"cluster/Dockerfile does not COPY {sorted(set(SOURCES) - copied)}"
