@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
 
+END_ACTORS_S = 3.0  # after a stop or a signal, how long the actors' ending is waited for
 CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
 
 
@@ -209,8 +211,12 @@ class FederationRun:
             except Exception as err:
                 first = first or err
         if isinstance(failure, (Interrupted, Stopped, TryLater)):
-            # the driver is ending and shuts Ray down, which ends the actors; a call to Ray now may
-            # never return (a SIGTERM to the process group, as scancel sends, also ends Ray's own processes)
+            # Ray itself may be going down with the driver (a SIGTERM to the process group, as scancel
+            # sends, ends Ray's own processes too), and a call to it may then never return: the
+            # actors are ended in the background, waited for a few seconds at most
+            ended = threading.Thread(target=self._stop, name="raysim-end-actors", daemon=True)
+            ended.start()
+            ended.join(END_ACTORS_S)
             return
         try:
             self._stop()
