@@ -166,6 +166,10 @@ class FederationRun:
         where = f"in round {rnd}" if rnd else "during start-up"
         if isinstance(err, KeyboardInterrupt):
             return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=getattr(err, "signal", 2))
+        if isinstance(err, OSError):  # a write no `writing(...)` named
+            err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
+        if isinstance(err, WriteFailed):
+            return RunFailed(f"{err}; {checkpoint.intact(self.run_dir)}; {self._resume_hint()}")
         if isinstance(err, (Stopped, UserError, RunFailed)) or not isinstance(err, Exception):
             return err
         if isinstance(err, NodeGone):
@@ -181,10 +185,6 @@ class FederationRun:
             err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server))
         if isinstance(err, ActorLost):
             return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
-        if isinstance(err, OSError):  # a write no `writing(...)` named
-            err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
-        if isinstance(err, WriteFailed):
-            return RunFailed(f"{err}; {checkpoint.intact(self.run_dir)}; {self._resume_hint()}")
         return self._bug(err, where)
 
     def _bug(self, err: Exception, where: str) -> MethodFailed:

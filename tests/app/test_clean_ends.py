@@ -90,13 +90,17 @@ def start(tmp_path: Path, *args: str) -> subprocess.Popen:
 
 
 def watch(driver: subprocess.Popen, until, seen: dict, timeout: float = 240) -> None:
-    """Poll the driver's process tree into ``seen`` ({pid: command}) until ``until()`` or it exits."""
+    """Poll the driver's process tree into ``seen`` ({pid: command}) until ``until()`` or it exits
+    (a command as first read: an ending process's reads back empty)."""
     deadline = time.monotonic() + timeout
-    while not until() and driver.poll() is None:
+    while True:
+        for pid, cmd in tree(driver.pid):
+            if cmd and not seen.get(pid):
+                seen[pid] = cmd
+        if until() or driver.poll() is not None:
+            return
         assert time.monotonic() < deadline, "the run did not get there in time"
-        seen.update(tree(driver.pid))
         time.sleep(0.05)
-    seen.update(tree(driver.pid))
 
 
 def no_ray_left(seen: dict) -> list[str]:
