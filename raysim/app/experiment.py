@@ -18,7 +18,7 @@ from raysim.app.configs import check_methods, load_checked, method_keys
 from raysim.config import ExperimentConfig, dump_yaml
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TrainingDiverged, UserError, first_line
 from raysim.engine.metrics import MetricsWriter
-from raysim.app.progress import LiveBoard, ProgressCallback, live_terminal
+from raysim.app.progress import LiveBoard, ProgressCallback, for_terminal, live_terminal
 from raysim.app.rundir import LOCK, RunLock, has_progress, holds_run_of, plan
 from raysim.core.files import WriteFailed, writing
 from raysim.engine.loop import Callback, FederationResult, FederationRun, finished
@@ -159,7 +159,7 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
                             f"summary again with: raysim report {run_dir}") from None
         log_report(cfg, run_dir)  # summary.md and curves.png into each federation's MLflow run
         if progress:
-            print(text)
+            print(for_terminal(text))
             print(f"run directory: {run_dir}")
     if failed:
         raise _failed_federations(failed, len(jobs), run_dir, rendered=text is not None)

@@ -28,6 +28,26 @@ def live_terminal(stream=None) -> bool:
     return console.is_terminal and not console.is_dumb_terminal
 
 
+def for_terminal(markdown: str, stream=None) -> str:
+    """A summary as a terminal shows it: its prose and list items wrapped to the terminal's width
+    (tables, headings and code as they are); unchanged where ``stream`` (stdout) is no terminal."""
+    import shutil
+    import textwrap
+
+    stream = stream or sys.stdout
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return markdown
+    width = max(40, shutil.get_terminal_size().columns - 1)
+    out = []
+    for line in markdown.splitlines():
+        if len(line) <= width or line.lstrip().startswith(("|", "#", "```")):
+            out.append(line)
+            continue
+        bullet = line[:len(line) - len(line.lstrip())] + ("- " if line.lstrip().startswith("- ") else "")
+        out.append(textwrap.fill(line, width, subsequent_indent=" " * len(bullet), break_on_hyphens=False))
+    return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
+
+
 def _fmt(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}:{s:02d}"

@@ -199,3 +199,28 @@ def test_plain_line_format(capsys):
         "fedbn[seed 1] round 1/10  loss 2.500  elapsed 0:00  eta 0:00",
         "fedbn[seed 1] round 2/10  loss 1.250  acc(AVG)  43.2%  elapsed 0:00  eta 0:00",
         "fedbn[seed 1] round 3/10  loss 1.000  elapsed 0:00  eta 0:00"]
+
+
+def test_the_summary_printed_on_an_80_column_terminal_wraps_its_prose_not_its_tables(monkeypatch):
+    import io
+
+    from raysim.app.progress import for_terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    prose = "Test accuracy (%) per domain; AVG = mean over domains (the papers' AVG), ALL = accuracy over all " \
+            "clients' pooled test samples."
+    item = "- fedprox: hp mu = 0.01 (default 0.01); server sgd lr 1 (the method's own); selection uniform, 5 of 20"
+    table = "| " + " | ".join(f"column {i}" for i in range(12)) + " |"
+    text = "\n".join(["## What ran", prose, item, table]) + "\n"
+    shown = for_terminal(text, Terminal())
+    lines = shown.splitlines()
+    assert table in lines  # a table is never broken
+    assert all(len(ln) < 80 for ln in lines if ln != table), lines
+    assert " ".join(ln.strip() for ln in lines[1:-1]) == f"{prose} {item}"  # nothing lost
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("- "))
+    assert lines[first + 1].startswith("  ")  # the list item's continuation hangs under its text
+    assert for_terminal(text, io.StringIO()) == text  # a file or pipe gets summary.md as it is
