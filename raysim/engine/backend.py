@@ -75,7 +75,9 @@ class RayActors:
         """The exceptions that mean an actor (or an object it held) is gone, or that the code it
         ran raised (:meth:`is_code_error` tells them apart)."""
         import ray
-        return ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError
+        gone = ("RayActorError", "RayTaskError", "ObjectLostError", "OutOfMemoryError", "WorkerCrashedError",
+                "NodeDiedError")  # the last three: a process or node killed (Ray's memory monitor, a crash)
+        return tuple(getattr(ray.exceptions, name) for name in gone if hasattr(ray.exceptions, name))
 
     def is_code_error(self, err: BaseException) -> bool:
         """Whether ``err`` is an exception raised by the code an actor ran (a method's bug), not

@@ -176,13 +176,13 @@ class FederationRun:
             return TryLater(f"{err}; the federation stopped {where}; rerun the same command when Ray is back "
                             f"(cluster/supervise.sh does); {self._resume_hint()}")
         if isinstance(err, self.backend.lost()) and not self.backend.is_code_error(err):  # before the loop
-            if self.backend.out_of_memory(err) and not rnd:
-                return RunFailed(f"out of memory {where}: Ray's memory monitor killed "
-                                 f"{'the Server' if self.server is None or not self.backend.alive(self.server) else 'a ClientHost'} "
-                                 "while it loaded the data; lower runtime.num_hosts (each host loads its clients' "
-                                 "data and a model), data.options.image_size or the partition's size, or run "
-                                 "on a machine with more memory")
-            err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server))
+            err = ActorLost([], plain_reason(err), server=self.server is None or not self.backend.alive(self.server),
+                            out_of_memory=self.backend.out_of_memory(err))
+        if isinstance(err, ActorLost) and err.out_of_memory and not rnd:
+            return RunFailed(f"out of memory during start-up: Ray's memory monitor killed {err.what} while it "
+                             "loaded the data; lower runtime.num_hosts (each host holds its clients' data and a "
+                             "model), data.options.image_size or the partition's train_size, or free memory "
+                             "on this machine")
         if isinstance(err, ActorLost):
             return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
         return self._bug(err, where)
@@ -377,13 +377,13 @@ class FederationRun:
         except self.backend.lost() as err:
             if self.backend.is_code_error(err):
                 raise
-            reason = plain_reason(err)
+            reason, oom = plain_reason(err), self.backend.out_of_memory(err)
             if not self.backend.alive(self.server):
-                raise ActorLost([], reason, server=True) from None
+                raise ActorLost([], reason, server=True, out_of_memory=oom) from None
             dead = [h for h, actor in enumerate(self.hosts) if not self.backend.alive(actor)]
             if not dead:
                 raise
-            raise ActorLost(dead, reason) from None
+            raise ActorLost(dead, reason, out_of_memory=oom) from None
 
     # ------------------------------------------------------------------ recovery and checkpoints
     def _recover(self, lost: "ActorLost", rnd: int) -> int:
@@ -495,8 +495,8 @@ class FaultWindow:
 class ActorLost(Exception):
     """The Server (``server``) or ClientHosts (``hosts``) died; the round loop replaces them."""
 
-    def __init__(self, hosts: list[int], reason: str, server: bool = False):
-        self.hosts, self.reason, self.server = hosts, reason, server
+    def __init__(self, hosts: list[int], reason: str, server: bool = False, out_of_memory: bool = False):
+        self.hosts, self.reason, self.server, self.out_of_memory = hosts, reason, server, out_of_memory
         if server:
             self.what = "the Server"
         elif hosts:

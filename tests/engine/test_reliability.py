@@ -293,3 +293,20 @@ def test_a_full_disk_is_one_line_with_what_is_intact_and_the_folder_resumes(smal
 def test_resume_refuses_a_changed_config(tmp_path):
     with pytest.raises(UserError, match="only runtime.\\* overrides are allowed"):
         resume_config(str(tmp_path), ["train.lr=0.1"])
+
+
+def test_out_of_memory_at_start_up_is_one_line_naming_what_to_lower(tmp_path):
+    """Ray's memory monitor killing the server while it loads the data (here: a kill threshold of 1%
+    of the machine's memory, so the first task's worker goes) is one line, not Ray's traceback."""
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "rounds": 1, "runtime": {"num_hosts": 1, "cpus_per_host": 1}}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_memory_usage_threshold="0.01", RAY_memory_monitor_refresh_ms="50")
+    r = subprocess.run([sys.executable, "-m", "raysim", "run", "--quiet", str(config), "--out", str(tmp_path / "run")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+        "raysim: out of memory during start-up: Ray's memory monitor killed "), r.stderr
+    assert "lower runtime.num_hosts" in r.stderr and "Traceback" not in r.stderr
