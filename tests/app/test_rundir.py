@@ -348,3 +348,24 @@ def test_checkpoints_of_another_config_are_refused_before_the_run_starts(tmp_pat
                                             f"\\(config {_fingerprint(other)}; this run's is config "
                                             f"{_fingerprint(ran)}\\); choose another --out"):
             attempt()
+
+
+def test_every_federation_of_a_comparison_passes_the_check_for_its_own_config(tmp_path):
+    """Methods x seeds x a held-out domain, per-method settings and a server optimizer: each
+    federation's config.yaml loads back to the fingerprint its state records, so the check never
+    refuses a folder raysim wrote itself."""
+    out = tmp_path / "cmp"
+    raw = {**BASE, "method": None, "methods": ["fedavg", "fedbn"], "seeds": [1, 2],
+           "per_method": {"fedbn": {"train": {"lr": 0.1}}}, "eval": {"protocol": "lodo", "holdout": "mnist"},
+           "server": {"optimizer": "adam", "lr": 0.01}, "name": "cmp", "paper": {"source": "x"}}
+    ran = experiment.load_checked(raw=raw)
+    os.makedirs(out)
+    dump_yaml(ran, out / "config.yaml")
+    jobs = experiment.plan(ran, str(out))
+    assert [os.path.relpath(sub, out) for _, sub in jobs] == [
+        f"{m}/seed-{s}/holdout-mnist" for m in ("fedavg", "fedbn") for s in (1, 2)]
+    for one, sub in jobs:
+        _state(tmp_path / sub, one, rounds=(2,))
+    assert holds_run_of(ran, str(out))
+    resumed = experiment.resume_config(str(out), [])
+    assert all(loop.finished(sub, one) for one, sub in experiment.plan(resumed, str(out)))
