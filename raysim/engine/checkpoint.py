@@ -14,6 +14,10 @@ Loading checks them before reading a file, and checks the loaded server and clie
 NaN or infinite values; either fault makes the checkpoint unreadable, so :func:`latest` falls
 back to the one before (and, with none left, the run starts again from round 1).
 
+``checkpoint.keep`` prunes only the checkpoints of the config being written (meta.json's
+``config``) older than the one just written: another config's in the folder (which
+:mod:`raysim.engine.runstate` refuses before a run starts) never push this run's own out.
+
 Format versions: 3 (this one) adds the checksums. Format 2 (the same files, no ``sha256``) still
 loads, unverified, with a one-line warning; anything else is refused.
 """
