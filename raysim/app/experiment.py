@@ -21,6 +21,7 @@ from raysim.engine.metrics import MetricsWriter
 from raysim.app.progress import LiveBoard, ProgressCallback, for_terminal, live_terminal
 from raysim.app.rundir import LOCK, RunLock, has_progress, holds_run_of, plan
 from raysim.core.files import WriteFailed, writing
+from raysim.engine import runstate
 from raysim.engine.loop import Callback, FederationResult, FederationRun, finished
 from raysim.app.tracking import log_report, tracking_callbacks
 
@@ -127,7 +128,7 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
         with writing(os.path.join(run_dir, "config.yaml")):
             dump_yaml(cfg, os.path.join(run_dir, "config.yaml"))
     names = method_keys(cfg)
-    jobs = [(one, sub) for one, sub in plan(cfg, run_dir) if not (resume and finished(sub))]
+    jobs = [(one, sub) for one, sub in plan(cfg, run_dir) if not (resume and finished(sub, one))]
     # on a terminal, one live table for every federation (rows updated in place, the final table
     # left on screen); otherwise plain progress lines
     board = LiveBoard(title=f"raysim {cfg.name or '-'.join(names)}") if progress and jobs and live_terminal() else None
@@ -197,7 +198,7 @@ def federation(cfg: ExperimentConfig, run_dir: str, progress: bool | str = True,
     method = method_keys(cfg)[0]
     label = method + (f"[{holdout}]" if holdout else "") + (f"[seed {cfg.seed}]" if show_seed else "")
     detail = ", ".join(([f"holdout {holdout}"] if holdout else []) + ([f"seed {cfg.seed}"] if show_seed else []))
-    callbacks = [MetricsWriter(run_dir),
+    callbacks = [MetricsWriter(run_dir, cfg),
                  ProgressCallback(cfg.rounds, label, progress, board=board, method=method, detail=detail),
                  *tracking_callbacks(cfg, run_dir)]  # TensorBoard, MLflow (cfg.tracking)
     if on_round is not None:
@@ -308,7 +309,8 @@ def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool =
 
 
 def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:
-    """The run's own config; only runtime.* may be changed on resume."""
+    """The run's own config; only runtime.* may be changed on resume. A folder whose state does
+    not match it (its config.yaml edited since, another config's checkpoints) is refused."""
     bad = [o for o in overrides if not o.split("=", 1)[0].startswith("runtime.")]
     if bad:
         raise UserError(f"--resume continues the run as configured; only runtime.* overrides are allowed, "
@@ -316,7 +318,10 @@ def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise UserError(f"--resume {run_dir}: no config.yaml there (is it a raysim run directory?)")
-    return load_checked(path, overrides)
+    cfg = load_checked(path, overrides)
+    for one, sub in plan(cfg, run_dir):
+        runstate.check(sub, one)
+    return cfg
 
 
 def num_clients(cfg: ExperimentConfig) -> int:

@@ -251,26 +251,42 @@ _PROGRESS = ("metrics.parquet", "status.json", "checkpoints")
 
 def has_progress(run_dir: str) -> bool:
     """Whether any federation below ``run_dir`` got somewhere: metrics, a status or checkpoints."""
+    return bool(progress(run_dir))
+
+
+def progress(run_dir: str) -> list[str]:
+    """The pieces of state below ``run_dir`` (its metrics, statuses, checkpoint folders), as paths
+    relative to it."""
+    found = []
     for root, dirs, names in os.walk(run_dir):
-        if any(n in names or n in dirs for n in _PROGRESS):
-            return True
-        dirs[:] = [d for d in dirs if d != "tb"]
-    return False
+        found += [os.path.relpath(os.path.join(root, n), run_dir) for n in _PROGRESS if n in names or n in dirs]
+        dirs[:] = sorted(d for d in dirs if d not in ("tb", "checkpoints"))
+    return found
 
 
 def holds_run_of(cfg, run_dir: str) -> bool:
     """True when ``run_dir`` holds a run of ``cfg`` that got somewhere (the command resumes it);
     False when it holds none. A run of another config (anything but ``runtime`` differs) is a
-    UserError naming the first differences."""
+    UserError naming the first differences; so is a folder whose state does not match its own
+    config.yaml (none there, one edited after the run, another config's checkpoints:
+    :func:`raysim.engine.runstate.check`)."""
     path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(path) or not has_progress(run_dir):
+    found = progress(run_dir)
+    if not found:
         return False
+    if not os.path.isfile(path):
+        raise UserError(f"--out {run_dir} holds a run's state ({', '.join(found[:3])}"
+                        f"{' ...' if len(found) > 3 else ''}) but no config.yaml, so which config wrote it cannot "
+                        "be told; choose another --out (or put that run's config.yaml back to continue it)")
     from raysim.app.configs import load_checked
+    from raysim.engine import runstate
     try:
         there = load_checked(path)
     except UserError as err:
         raise UserError(f"--out {run_dir} holds a run whose config.yaml does not load ({err}); "
                         "choose another --out") from None
+    for one, sub in plan(there, run_dir):  # the folder against its own config.yaml first: edited since?
+        runstate.check(sub, one)
     diff = config_differences(_as_run(there), _as_run(cfg))
     if diff:
         shown = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, a, b in diff[:3])

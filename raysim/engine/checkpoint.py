@@ -14,6 +14,10 @@ Loading checks them before reading a file, and checks the loaded server and clie
 NaN or infinite values; either fault makes the checkpoint unreadable, so :func:`latest` falls
 back to the one before (and, with none left, the run starts again from round 1).
 
+``checkpoint.keep`` prunes only the checkpoints of the config being written (meta.json's
+``config``) older than the one just written: another config's in the folder (which
+:mod:`raysim.engine.runstate` refuses before a run starts) never push this run's own out.
+
 Format versions: 3 (this one) adds the checksums. Format 2 (the same files, no ``sha256``) still
 loads, unverified, with a one-line warning; anything else is refused.
 """
@@ -80,9 +84,36 @@ def write(run_dir: str, rnd: int, cfg, server_state: dict, client_states: dict, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _sync_dir(root)
-    for old in list_rounds(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, f"round-{old:06d}"), ignore_errors=True)
+    if keep > 0:
+        _prune(run_dir, rnd, meta["config"], keep)
     return final
+
+
+def _prune(run_dir: str, rnd: int, config: str, keep: int) -> None:
+    """Delete the checkpoints of ``config`` older than round ``rnd``'s, beyond the newest ``keep``
+    (round ``rnd``'s counted). Never the one just written or a newer one, never another config's
+    nor one whose meta.json does not say (pruning by round number alone once deleted a run's own
+    checkpoints where another run's higher-numbered ones sat in the folder)."""
+    older = [r for r in list_rounds(run_dir) if r < rnd and recorded_config(run_dir, r) == config]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(os.path.join(checkpoint_dir(run_dir), f"round-{old:06d}"), ignore_errors=True)
+
+
+def recorded_config(run_dir: str, rnd: int) -> str | None:
+    """The config fingerprint round ``rnd``'s checkpoint records in its meta.json; None where
+    meta.json is unreadable (the resume falls back past such a checkpoint)."""
+    meta = _read_json(os.path.join(checkpoint_dir(run_dir), f"round-{rnd:06d}", "meta.json"))
+    config = (meta or {}).get("config")
+    return config if isinstance(config, str) else None
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _write_meta(meta: dict, path: str) -> None:

@@ -19,7 +19,6 @@ driver or server costs at most that much work.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -27,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from raysim.engine import checkpoint
+from raysim.engine import checkpoint, runstate
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError
@@ -104,6 +103,7 @@ class FederationRun:
     def run(self, resume: bool = False) -> FederationResult:
         cfg = self.cfg
         config_path = os.path.join(self.run_dir, "config.yaml")
+        runstate.check(self.run_dir, cfg)  # state of another config, or a config.yaml edited since: refused
         with writing(config_path):
             os.makedirs(self.run_dir, exist_ok=True)
             if not resume or not os.path.isfile(config_path):
@@ -147,7 +147,7 @@ class FederationRun:
                     cb.on_round(rnd, summary, evaluation, self.log)
                 rnd += 1
             rnd = cfg.rounds
-            _write_status(self.run_dir, finished=True, rounds=rnd, startup_seconds=startup,
+            _write_status(self.run_dir, cfg, finished=True, rounds=rnd, startup_seconds=startup,
                           round_seconds=round_seconds, host_restarts=self.host_restarts,
                           server_restarts=self.server_restarts)
         except BaseException as err:  # noqa: BLE001 -- mapped to one line, re-raised below
@@ -506,13 +506,13 @@ class ActorLost(Exception):
         super().__init__(f"{self.what} lost: {reason}")
 
 
-def finished(run_dir: str) -> bool:
-    """Whether the federation in ``run_dir`` ran all its rounds (its status.json says so)."""
-    try:
-        with open(os.path.join(run_dir, "status.json"), encoding="utf-8") as fh:
-            return json.load(fh).get("finished", False)
-    except (OSError, ValueError):
-        return False
+def finished(run_dir: str, cfg) -> bool:
+    """Whether the federation in ``run_dir`` ran all the rounds of ``cfg``: its status.json says so,
+    and the folder's state is ``cfg``'s (another config's, or a config.yaml edited since, is a
+    UserError: never taken as finished). A status.json written before it carried the config's
+    fingerprint counts where nothing in the folder contradicts it (:func:`runstate.check`)."""
+    runstate.check(run_dir, cfg)
+    return runstate.read_status(run_dir).get("finished") is True
 
 
 def eval_requests(cfg, clients: list[int], info: dict) -> dict[int, list[str]]:
@@ -538,8 +538,9 @@ def split_by_host(client_ids, owner) -> dict[int, list[int]]:
     return dict(sorted(by_host.items()))
 
 
-def _write_status(run_dir: str, **status) -> None:
-    write_json(os.path.join(run_dir, "status.json"), status)
+def _write_status(run_dir: str, cfg, **status) -> None:
+    """status.json, with the fingerprint of the config it is the status of."""
+    write_json(os.path.join(run_dir, "status.json"), {**status, "config": checkpoint.config_fingerprint(cfg)})
 
 
 def _warn(text: str) -> None:

@@ -7,6 +7,9 @@ plain mean of the clients' accuracies (equal to AVG with one client per domain a
 set, not otherwise); ``AVG_weighted``, the clients' accuracies weighted by their training-set sizes
 (FDSE's code selects its reported round by this on the validation split). Communication and
 training loss are federation-level rows too.
+
+metrics.parquet records the fingerprint of the config that wrote it in its schema's metadata
+(:data:`CONFIG_KEY`; no column changes), so a folder's metrics say which config they are of.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raysim.core.files import write_atomically
+from raysim.engine.checkpoint import config_fingerprint
 from raysim.engine.messages import RoundSummary, SplitScores
 
 COLUMNS = ("round", "client", "domain", "split", "metric", "value")
 SCHEMA = pa.schema([("round", pa.int32()), ("client", pa.int64()), ("domain", pa.string()),
                     ("split", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
+CONFIG_KEY = b"raysim.config"  # the schema metadata key of the config's fingerprint (checkpoint.config_fingerprint)
 
 
 class MetricsLog:
@@ -58,10 +63,13 @@ class MetricsLog:
             i -= 1
         return list(zip(*(self._cols[c][i:] for c in COLUMNS)))
 
-    def write(self, path: str) -> None:
+    def write(self, path: str, config: str | None = None) -> None:
         """Atomically (:func:`~raysim.core.files.write_atomically`): a failed write leaves the
-        previous file as it was (and no ``.tmp``); its error is a one-line WriteFailed naming the file."""
+        previous file as it was (and no ``.tmp``); its error is a one-line WriteFailed naming the file.
+        ``config``: the fingerprint of the config that wrote the rows, kept in the schema's metadata."""
         table = self.table()
+        if config is not None:
+            table = table.replace_schema_metadata({CONFIG_KEY: config.encode()})
         write_atomically(path, lambda tmp: pq.write_table(table, tmp))
 
     # ------------------------------------------------------------------ rows from results
@@ -133,21 +141,22 @@ class MetricsLog:
 
 class MetricsWriter:
     """Round-loop callback: ``metrics.parquet`` after every evaluated round (an early-stopped or
-    killed run keeps its rows so far) and when the loop ends."""
+    killed run keeps its rows so far) and when the loop ends, marked with ``cfg``'s fingerprint."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, cfg):
         self.path = os.path.join(run_dir, "metrics.parquet")
+        self.config = config_fingerprint(cfg)
 
     def on_start(self, run) -> None:
         pass
 
     def on_round(self, rnd: int, summary: RoundSummary, evaluation, log: MetricsLog) -> None:
         if evaluation is not None:
-            log.write(self.path)
+            log.write(self.path, self.config)
 
     def on_end(self, log: MetricsLog) -> None:
         if len(log):
-            log.write(self.path)
+            log.write(self.path, self.config)
 
 
 def _is_number(v) -> bool:
@@ -157,3 +166,14 @@ def _is_number(v) -> bool:
 def read(path: str):
     """metrics.parquet as a pandas DataFrame."""
     return pq.read_table(path).to_pandas()
+
+
+def recorded_config(path: str) -> str | None:
+    """The config fingerprint a metrics.parquet records; None for one written before metrics
+    carried it, or one too damaged to read."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except Exception:  # a truncated or corrupted file
+        return None
+    config = metadata.get(CONFIG_KEY)
+    return config.decode("utf-8", "replace") if config is not None else None

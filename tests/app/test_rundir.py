@@ -301,3 +301,145 @@ def test_report_on_a_metrics_file_missing_a_column_is_one_line(tmp_path, capsys)
     pq.write_table(table.append_column("value", pa.array(["high"])), tmp_path / "metrics.parquet")
     assert main(["report", str(tmp_path)]) == 2
     assert "its columns do not convert" in one_line(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- the folder knows its config
+# Every piece of a federation's state records its config's fingerprint (raysim.engine.runstate);
+# a folder whose state is not the config being run is refused in one line, before Ray starts.
+
+def _fingerprint(c):
+    from raysim.engine.checkpoint import config_fingerprint
+    return config_fingerprint(c)
+
+
+def _state(out, c, status=True, rounds=(4,), fingerprints=True, config=True):
+    """A federation's state written as ``c``'s run leaves it (by hand; ``fingerprints=False``: as
+    raysim wrote status.json and metrics.parquet before they carried the fingerprint)."""
+    import torch
+
+    from raysim.engine import checkpoint
+    from raysim.engine.metrics import MetricsLog
+    os.makedirs(out, exist_ok=True)
+    if config:
+        dump_yaml(c, os.path.join(out, "config.yaml"))
+    log = MetricsLog()
+    log.add(1, -1, "AVG", "test", "accuracy", 0.5)
+    log.write(os.path.join(out, "metrics.parquet"), _fingerprint(c) if fingerprints else None)
+    if status:
+        record = {"finished": True, "rounds": c.rounds, **({"config": _fingerprint(c)} if fingerprints else {})}
+        (out / "status.json").write_text(json.dumps(record))
+    for rnd in rounds:
+        checkpoint.write(str(out), rnd, c, {"w": torch.ones(2)}, {0: {"state": {}, "trained": True}}, log.table(),
+                         keep=len(rounds))
+
+
+def test_state_without_a_config_yaml_is_refused_in_one_line(tmp_path, capsys):
+    """The chaos run's folder: an old run's status.json, checkpoints and metrics, no config.yaml, and
+    another config run into it (before: its checkpoints pruned away, then "finished", exit 0)."""
+    out = tmp_path / "run"
+    _state(out, load_config(raw=BASE, overrides=["seed=0", "rounds=8"]), rounds=(6, 7, 8), config=False)
+    before = sorted(os.listdir(out))
+    assert main(["run", config_file(tmp_path), "--out", str(out), "--quiet"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"--out {out} holds a run's state (" in err and "status.json" in err and "checkpoints" in err
+    assert "but no config.yaml" in err and "choose another --out" in err
+    assert sorted(os.listdir(out)) == before  # nothing written, nothing pruned
+    assert main(["run", "--resume", str(out)]) == 2
+    assert "no config.yaml there" in one_line(capsys.readouterr().err)
+    with pytest.raises(UserError, match="holds a run's status.json, metrics.parquet and the checkpoints of rounds "
+                                        "6, 7, 8 but no config.yaml"):
+        loop.FederationRun(load_config(raw=BASE), str(out), backend=InProcess()).run()
+
+
+def test_a_config_yaml_edited_after_its_run_is_refused_on_resume_and_on_the_same_command(tmp_path, capsys):
+    """A finished seed-7 run whose config.yaml now says seed 8 (before: --resume exited 0, the
+    folder labelling seed-7 results as seed 8)."""
+    out = tmp_path / "run"
+    _state(out, load_config(raw=BASE).for_method("fedbn"))
+    assert loop.finished(str(out), load_config(raw=BASE))
+    text = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(text.replace("seed: 7", "seed: 8"))
+    commands = (["run", "--resume", str(out)],
+                ["run", config_file(tmp_path, seed=8), "--out", str(out)],  # the edited config
+                ["run", config_file(tmp_path), "--out", str(out)])  # the run's own
+    for argv in commands:
+        assert main([*argv, "--quiet"]) == 2
+        err = one_line(capsys.readouterr().err)
+        assert f"{out}/config.yaml does not match its run's state: status.json, metrics.parquet and the " \
+               "checkpoint of round 4 record config " in err, err
+        assert "edited after the run" in err and "put back the config.yaml the run was written with" in err
+    with pytest.raises(UserError, match="does not match its run's state"):
+        loop.finished(str(out), load_config(raw=BASE, overrides=["seed=8"]))
+
+
+def test_finished_means_finished_for_this_config(tmp_path):
+    out = tmp_path / "run"
+    ran, other = load_config(raw=BASE), load_config(raw=BASE, overrides=["train.lr=0.1"])
+    _state(out, ran, rounds=())
+    assert loop.finished(str(out), ran)
+    with pytest.raises(UserError, match=r"holds status.json and metrics.parquet of another config \(config "
+                                        f"{_fingerprint(ran)}; this run's is config {_fingerprint(other)}\\); "
+                                        "choose another --out"):
+        loop.finished(str(out), other)
+    (out / "status.json").write_text(json.dumps({"finished": True, "config": _fingerprint(other)}))
+    with pytest.raises(UserError, match="holds status.json of another config"):  # its own metrics: still refused
+        loop.finished(str(out), ran)
+    (out / "status.json").write_text(json.dumps({"finished": False, "config": _fingerprint(ran)}))
+    assert not loop.finished(str(out), ran)
+
+
+def test_a_folder_from_before_the_fingerprints_is_finished_where_nothing_contradicts_it(tmp_path, capsys):
+    """status.json and metrics.parquet without a fingerprint (raysim before them): finished for its
+    config.yaml's config where its checkpoints (which always carried one) agree, or none is left."""
+    from raysim.engine.metrics import recorded_config
+    ran = load_config(raw=BASE)
+    old = tmp_path / "old"
+    _state(old, ran, fingerprints=False)
+    assert recorded_config(str(old / "metrics.parquet")) is None
+    assert loop.finished(str(old), ran)
+    assert experiment.resume_config(str(old), ["runtime.num_hosts=1"]).seed == 7
+    assert holds_run_of(ran, str(old))
+    bare = tmp_path / "bare"
+    _state(bare, ran, fingerprints=False, rounds=())
+    assert loop.finished(str(bare), ran)  # nothing to contradict it: its config.yaml is taken as it says
+    (old / "config.yaml").write_text((old / "config.yaml").read_text().replace("seed: 7", "seed: 8"))
+    assert main(["run", "--resume", str(old), "--quiet"]) == 2  # the checkpoint contradicts the edit
+    assert "the checkpoint of round 4 records config" in one_line(capsys.readouterr().err)
+
+
+def test_checkpoints_of_another_config_are_refused_before_the_run_starts(tmp_path):
+    """This config's run and status beside another config's higher-numbered checkpoints."""
+    from raysim.engine import checkpoint
+    out = tmp_path / "run"
+    ran, other = load_config(raw=BASE), load_config(raw=BASE, overrides=["seed=0"])
+    _state(out, other, status=False, rounds=(6, 7, 8))
+    _state(out, ran, rounds=(1, 2))
+    assert checkpoint.list_rounds(str(out)) == [1, 2, 6, 7, 8]
+    for attempt in (lambda: loop.finished(str(out), ran), lambda: experiment.resume_config(str(out), []),
+                    lambda: holds_run_of(ran, str(out)),
+                    lambda: loop.FederationRun(ran, str(out), backend=InProcess()).run(resume=True)):
+        with pytest.raises(UserError, match=f"{out} holds the checkpoints of rounds 6, 7, 8 of another config "
+                                            f"\\(config {_fingerprint(other)}; this run's is config "
+                                            f"{_fingerprint(ran)}\\); choose another --out"):
+            attempt()
+
+
+def test_every_federation_of_a_comparison_passes_the_check_for_its_own_config(tmp_path):
+    """Methods x seeds x a held-out domain, per-method settings and a server optimizer: each
+    federation's config.yaml loads back to the fingerprint its state records, so the check never
+    refuses a folder raysim wrote itself."""
+    out = tmp_path / "cmp"
+    raw = {**BASE, "method": None, "methods": ["fedavg", "fedbn"], "seeds": [1, 2],
+           "per_method": {"fedbn": {"train": {"lr": 0.1}}}, "eval": {"protocol": "lodo", "holdout": "mnist"},
+           "server": {"optimizer": "adam", "lr": 0.01}, "name": "cmp", "paper": {"source": "x"}}
+    ran = experiment.load_checked(raw=raw)
+    os.makedirs(out)
+    dump_yaml(ran, out / "config.yaml")
+    jobs = experiment.plan(ran, str(out))
+    assert [os.path.relpath(sub, out) for _, sub in jobs] == [
+        f"{m}/seed-{s}/holdout-mnist" for m in ("fedavg", "fedbn") for s in (1, 2)]
+    for one, sub in jobs:
+        _state(tmp_path / sub, one, rounds=(2,))
+    assert holds_run_of(ran, str(out))
+    resumed = experiment.resume_config(str(out), [])
+    assert all(loop.finished(sub, one) for one, sub in experiment.plan(resumed, str(out)))

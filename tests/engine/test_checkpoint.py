@@ -238,6 +238,24 @@ def test_keep_only_the_newest(tmp_path):
     assert checkpoint.list_rounds(str(tmp_path)) == [4, 6]
 
 
+def test_pruning_keeps_this_runs_checkpoints_beside_another_configs_higher_numbered_ones(tmp_path):
+    """Pruning went by round number: another run's rounds 6-8 in the folder outranked this run's
+    newest checkpoint, which was deleted as soon as it was written. Now only this config's
+    checkpoints older than the one just written are pruned (the run refuses such a folder before
+    it starts anyway: tests/app/test_rundir.py)."""
+    other, c = cfg("seed=0"), small()
+    for rnd in (6, 7, 8):
+        checkpoint.write(str(tmp_path), rnd, other, {}, {}, MetricsLog().table(), keep=3)
+    for rnd in (1, 2, 3):
+        checkpoint.write(str(tmp_path), rnd, c, {}, {}, MetricsLog().table(), keep=2)
+        assert rnd in checkpoint.list_rounds(str(tmp_path))
+    assert checkpoint.list_rounds(str(tmp_path)) == [2, 3, 6, 7, 8]
+    checkpoint.write(str(tmp_path), 1, c, {}, {}, MetricsLog().table(), keep=2)  # a replay: never a newer one
+    assert checkpoint.list_rounds(str(tmp_path)) == [1, 2, 3, 6, 7, 8]
+    assert [checkpoint.recorded_config(str(tmp_path), r) for r in (3, 8)] == [
+        checkpoint.config_fingerprint(c), checkpoint.config_fingerprint(other)]
+
+
 # ---------------------------------------------------------------- a real run resumed
 
 @pytest.fixture(scope="module")
@@ -247,6 +265,16 @@ def undisturbed(ray_session, tmp_path_factory):
     federation(small(), out, progress=False).run()
     assert checkpoint.list_rounds(out) == [1, 2, 3]
     return out
+
+
+def test_status_metrics_and_checkpoints_carry_the_configs_fingerprint(undisturbed):
+    from raysim.engine.metrics import recorded_config
+    from raysim.engine.runstate import recorded
+    fingerprint = checkpoint.config_fingerprint(small())
+    assert json.loads(open(os.path.join(undisturbed, "status.json")).read())["config"] == fingerprint
+    assert recorded_config(os.path.join(undisturbed, "metrics.parquet")) == fingerprint
+    assert recorded(undisturbed) == {"status.json": fingerprint, "metrics.parquet": fingerprint,
+                                     **{f"checkpoints/round-00000{r}": fingerprint for r in (1, 2, 3)}}
 
 
 def _copy_unfinished(src, dst):
@@ -262,8 +290,16 @@ def test_damaged_checkpoints_are_skipped_and_the_resumed_run_equals_the_undistur
     Round 3's server.pt has a tensor's bytes zeroed: it still loads, only the checksum tells
     (before: loaded silently, metrics off). Round 2 is a pre-checksum (format 2) checkpoint whose
     bytes make NaNs (before: "training diverged ... try a lower train.lr"). Both are named and
-    skipped; the run replays from round 1 to the undisturbed metrics."""
+    skipped; the run replays from round 1 to the undisturbed metrics. The folder is also one that
+    a raysim before the config fingerprints left: its metrics.parquet carries none (its checkpoints
+    always did); it resumes, and what the run writes now carries one."""
+    from raysim.engine.loop import finished
+    from raysim.engine.metrics import recorded_config
     out = _copy_unfinished(undisturbed, str(tmp_path / "run"))
+    old_metrics = os.path.join(out, "metrics.parquet")
+    pq.write_table(pq.read_table(os.path.join(undisturbed, "metrics.parquet")).replace_schema_metadata(None),
+                   old_metrics)
+    assert recorded_config(old_metrics) is None
     zeroed = os.path.join(out, "checkpoints", "round-000003", "server.pt")
     _zero_largest_tensor(zeroed)
     before = torch.load(zeroed, weights_only=True)  # still loadable: only a checksum tells
@@ -276,7 +312,10 @@ def test_damaged_checkpoints_are_skipped_and_the_resumed_run_equals_the_undistur
     torch.save(state, os.path.join(d, "server.pt"))
     _as_format_2(d)
 
-    federation(resume_config(out, []), out, progress=False).run(resume=True)
+    c = resume_config(out, [])
+    assert not finished(out, c)
+    federation(c, out, progress=False).run(resume=True)
+    assert finished(out, c) and recorded_config(old_metrics) == checkpoint.config_fingerprint(c)
     err = capsys.readouterr().err
     assert "round-000003/server.pt is unreadable: damaged" in err and "trying the previous checkpoint" in err
     assert "checkpoint damaged:" in err and "round-000002/server.pt (round 2)" in err
