@@ -1,5 +1,3 @@
-import sys
+from raysim.cli import console_main
 
-from raysim.cli import main
-
-sys.exit(main())
+console_main()

@@ -197,13 +197,20 @@ def cmd_new(ns) -> int:
     return 0
 
 
-def _exit_now(code: int):
-    """End the process at once after a signal or a lost Ray node: every file is written and Ray's
-    processes are ended, but the interpreter's own exit would still wait seconds on Ray's
-    connections to processes that are gone (its atexit shutdown)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+# exits after which the process ends at once: every file is written and Ray's processes are ended,
+# but the interpreter's own exit would still wait seconds on Ray's connections to processes that
+# are gone (its atexit shutdown), after a signal or a lost Ray node
+_END_AT_ONCE = (TryLater.exit_code, 128 + 2, 128 + 15)
+
+
+def console_main() -> None:
+    """The ``raysim`` command (and ``python -m raysim``): :func:`main`, then the process's exit."""
+    code = main()
+    if code in _END_AT_ONCE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _on_sigterm(signum, frame):
@@ -227,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Interrupted as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
-        _exit_now(128 + err.signal)
+        return 128 + err.signal
     except TryLater as err:
         print(f"raysim: {first_line(err)}", file=sys.stderr)
-        _exit_now(TryLater.exit_code)
+        return TryLater.exit_code
     except MethodFailed as err:
         if err.traceback:
             print(err.traceback.rstrip(), file=sys.stderr)
@@ -253,4 +260,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
