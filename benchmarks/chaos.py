@@ -237,6 +237,8 @@ def same_metrics(a: str, b: str) -> bool:
 SCENARIO_OVERRIDES = ["methods=[fedavg]", "rounds=12", "runtime.num_hosts=2", "checkpoint.minutes=0.05"]
 STALL_TIMEOUT_S = 10.0  # runtime.stall_timeout_s of the hang scenarios: a stopped actor found in seconds
 DISK_MB = 16  # the tmpfs of the disk scenarios: a run folder of this config takes ~1 MB
+PG_TIMEOUT_S = 20.0  # runtime.pg_timeout_s of node-loss-no-spare: how long a driver waits for room for the hosts
+NEW_NODE_AFTER_S = 20.0  # ... and when the new node joins, after the first exit 75
 ATTEMPT_TIMEOUT_S = 900.0  # one run of the command; past it the script kills it and calls it a hang
 LEFTOVER_WAIT_S = 10.0
 RAYSIM_LINE = re.compile(r"^raysim\b")
@@ -252,6 +254,7 @@ class Attempt:
     lines: list[str] = field(default_factory=list)
     injected: str = ""  # what the script did to it, if anything
     timed_out: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def raysim_lines(self) -> list[str]:
         return [ln for ln in self.lines if RAYSIM_LINE.match(ln)]
@@ -301,6 +304,8 @@ class Run:
         self.rounds: set[int] = set()
         self.exited = threading.Event()
         self.seen: dict[int, str] = {}
+        self.notes: list[str] = []  # what the script did later, in the background
+        self.t0 = time.monotonic()
 
     def driver(self) -> int | None:
         """The ``raysim run`` process: the command itself, or the one below the supervisor."""
@@ -323,14 +328,17 @@ def after_round(n: int):
 
 
 def checkpoint_being_written(run: Run) -> bool:
-    """A ``checkpoints/round-*.tmp`` folder exists: a checkpoint write is under way."""
+    """A ``checkpoints/round-*.tmp`` folder exists beside a finished checkpoint: a checkpoint write
+    is under way, and the rerun has an older one to fall back to."""
     try:
-        return any(e.name.endswith(".tmp") for e in os.scandir(os.path.join(run.run_dir, "checkpoints")))
+        names = [e.name for e in os.scandir(os.path.join(run.run_dir, "checkpoints"))]
     except OSError:
         return False
+    return any(n.endswith(".tmp") for n in names) and any(not n.endswith(".tmp") for n in names)
 
 
-checkpoint_being_written.poll_s, checkpoint_being_written.what = 0.002, "when a checkpoints/round-*.tmp folder appears"
+checkpoint_being_written.poll_s = 0.002
+checkpoint_being_written.what = "when a checkpoints/round-*.tmp folder appears beside a finished checkpoint"
 
 
 def hosts_started(run: Run) -> bool:
@@ -436,14 +444,35 @@ def kill_node_of_hosts(run: Run) -> str:
             f"({len(raylets)} node(s) held them)")
 
 
+def lose_node_then_add_one(run: Run) -> str:
+    """kill -9 the node holding the hosts (the only one with CPUs); once the supervisor reports the
+    first exit 75, wait ``NEW_NODE_AFTER_S`` and start a new node."""
+    what = kill_node_of_hosts(run)
+    run.setup.lost += 1
+
+    def later():
+        while not run.exited.is_set() and not any("(status 75" in ln for ln in run.lines):
+            time.sleep(0.2)
+        if run.exited.wait(NEW_NODE_AFTER_S):
+            return
+        run.setup.add_node()
+        run.setup.added += 1
+        run.notes.append(f"a new 2-CPU node joined the cluster at {time.monotonic() - run.t0:.0f} s, "
+                         f"{NEW_NODE_AFTER_S:.0f} s after the first exit 75")
+
+    threading.Thread(target=later, daemon=True).start()
+    return what + f"; a new node joins {NEW_NODE_AFTER_S:.0f} s after the first exit 75"
+
+
 def attempt(command: list[str], env: dict, run_dir: str, label: str, when=None, do=None, supervised=False,
-            seen: dict | None = None, echo=None, timeout_s: float = ATTEMPT_TIMEOUT_S) -> Attempt:
+            seen: dict | None = None, echo=None, timeout_s: float = ATTEMPT_TIMEOUT_S, setup=None) -> Attempt:
     """Run ``command`` once (its stderr read line by line), ``do(run)`` once ``when(run)`` holds."""
     out = Attempt(label)
     t0 = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     run = Run(proc, run_dir, supervised)
+    run.setup = setup
     if seen is not None:
         run.seen = seen
 
@@ -484,6 +513,7 @@ def attempt(command: list[str], env: dict, run_dir: str, label: str, when=None, 
     reader.join(timeout=5)  # a Ray process that outlives the driver may hold the pipe: do not wait on it
     out.seconds = time.monotonic() - t0
     out.lines = list(run.lines)
+    out.notes = list(run.notes)
     return out
 
 
@@ -506,6 +536,7 @@ class Setup:
     env: dict = field(default_factory=dict)
     fix: object = None  # what a person does before running the command again (the disk)
     fix_what: str = ""
+    add_node: object = None  # a local cluster's: start one more worker node
 
 
 @dataclass
@@ -569,12 +600,12 @@ CLUSTER_MARK = "RAYSIM_CHAOS_CLUSTER"
 
 
 @contextlib.contextmanager
-def three_nodes(folder: str, ctx):
-    """A local Ray cluster of three nodes on this machine: a head with no CPUs (GCS; only 0-CPU
-    actors land there) and two nodes of 2 CPUs, so the hosts (2 x 1 CPU) fit on either: the loss of
-    the one holding them leaves spare capacity. Private --temp-dir, token authentication from the
-    environment; its processes carry a marker in their environment and are ended by pid at the
-    end (never ``ray stop``, which would end every Ray instance on the machine)."""
+def local_cluster(folder: str, ctx, workers: int):
+    """A local Ray cluster on this machine: a head with no CPUs (GCS; only 0-CPU actors land there)
+    and ``workers`` nodes of 2 CPUs each; the hosts (2 x 1 CPU) fit on any one of them. Private
+    --temp-dir, token authentication from the environment; its processes carry a marker in their
+    environment and are ended by pid at the end (never ``ray stop``, which would end every Ray
+    instance on the machine). ``Setup.add_node()`` starts one more worker node (an autoscaler's part)."""
     import secrets
     import socket
 
@@ -583,31 +614,51 @@ def three_nodes(folder: str, ctx):
     env = {k: v for k, v in ctx.env.items() if not k.startswith("RAY_")}
     env.update({CLUSTER_MARK: marker, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                 "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"})
-    socks = [socket.socket() for _ in range(4)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    port, dash, *agents = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
     ray = str(Path(sys.executable).with_name("ray"))
     common = ["--node-ip-address=127.0.0.1", "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={temp}",
               "--include-log-monitor=false", "--object-store-memory=200000000"]
-    starts = [[ray, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
-               f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agents[0]}", *common]]
-    starts += [[ray, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2", f"--dashboard-agent-listen-port={a}",
-                *common] for a in agents[1:]]
+    port = free_port()
+
+    def start(cmd: list[str]) -> None:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, start_new_session=True)
+        if done.returncode != 0:
+            raise Skip(f"`ray start` failed: {(done.stderr or done.stdout).strip()[-300:]}")
+
+    def add_node() -> None:
+        start([ray, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2",
+               f"--dashboard-agent-listen-port={free_port()}", *common])
+
     try:
-        for cmd in starts:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, start_new_session=True)
-            if done.returncode != 0:
-                raise Skip(f"`ray start` failed: {(done.stderr or done.stdout).strip()[-300:]}")
-        yield Setup(folder, args=["--address", f"127.0.0.1:{port}"], env=env)
+        start([ray, "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
+               f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}", *common])
+        for _ in range(workers):
+            add_node()
+        setup = Setup(folder, args=["--address", f"127.0.0.1:{port}"], env=env)
+        setup.add_node = add_node
+        setup.lost = setup.added = 0  # nodes lost by the scenario, added back by it
+
+        def replace_lost_node() -> None:  # a person's part, where nothing added one back
+            if setup.lost > setup.added:
+                add_node()
+                setup.added += 1
+
+        setup.fix, setup.fix_what = replace_lost_node, "a new node started by hand where none had joined"
+        yield setup
     finally:
         for _ in range(2):
-            pids = _marked(marker)
-            _end(pids)
+            _end(_marked(marker))
             time.sleep(1)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def nodes(workers: int):
+    return lambda folder, ctx: local_cluster(folder, ctx, workers)
 
 
 def _marked(marker: str) -> list[int]:
@@ -683,7 +734,14 @@ SCENARIOS = [
              setup=disk("readonly"), needs="root"),
     Scenario("node-loss", "the node holding the hosts lost (a local 3-node Ray cluster, spare capacity)",
              EQUAL + " (the hosts replaced on the other node)",
-             after_round(3), kill_node_of_hosts, recovered_has="was lost in round", setup=three_nodes),
+             after_round(3), kill_node_of_hosts, recovered_has="was lost in round", setup=nodes(2)),
+    Scenario("node-loss-no-spare", "the only node with CPUs lost, under cluster/supervise.sh; a new node joins "
+             f"{NEW_NODE_AFTER_S:.0f} s after the first exit 75 (what an autoscaler or a person does)",
+             "exit 75 (one line) while no node can hold the hosts, retried by the supervisor; once the new node "
+             "is up the same command continues: " + EQUAL,
+             after_round(3), lose_node_then_add_one, supervised=True, driver_rc=75,
+             recovered_has="asked to be run again later (status 75", setup=nodes(1),
+             extra=("runtime.pg_timeout_s={pg}",)),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -709,13 +767,13 @@ def run_scenario(sc: Scenario, ctx: Context) -> Outcome:
     seen: dict[int, str] = {}
     try:
         with (sc.setup or plain_folder)(folder, ctx) as setup:
-            extra = [x.format(stall=f"{ctx.stall_s:g}") for x in sc.extra]
+            extra = [x.format(stall=f"{ctx.stall_s:g}", pg=f"{PG_TIMEOUT_S:g}") for x in sc.extra]
             command = [*setup.prefix, *ctx.command, *extra, *setup.args, "--out", setup.run_dir]
             if sc.supervised:
                 command = ["bash", str(ROOT / "cluster" / "supervise.sh"), *command]
             env = {**ctx.env, **setup.env}
             first = attempt(command, env, setup.run_dir, "with the fault", sc.when, sc.do, sc.supervised, seen,
-                            ctx.echo)
+                            ctx.echo, setup=setup)
             out.attempts.append(first)
             _judge_first(sc, first, out)
             if first.rc != 0 and not first.timed_out:
@@ -798,6 +856,8 @@ def describe(out: Outcome) -> str:
                     (" (killed by the script: it hung)" if a.timed_out else ""))
         if a.injected:
             text.append(f"     injected {sc.when.what}: {a.injected}")
+        for note in a.notes:
+            text.append(f"     then: {note}")
         for ln in a.raysim_lines():
             text.append(f"     | {ln}")
         others = a.other_lines()
