@@ -307,6 +307,7 @@ class Run:
         self.seen: dict[int, str] = {}
         self.notes: list[str] = []  # what the script did later, in the background
         self.t0 = time.monotonic()
+        self.setup: Setup | None = None  # the scenario's (a local cluster's add_node)
 
     def driver(self) -> int | None:
         """The ``raysim run`` process: the command itself, or the one below the supervisor."""
@@ -798,6 +799,7 @@ def run_scenario(sc: Scenario, ctx: Context) -> Outcome:
                 out.equal = same_metrics(ctx.reference, setup.run_dir)
                 if not out.equal:
                     out.problems.append("metrics.parquet differs from the undisturbed run's")
+        check_recovered(sc, out)
     except Skip as why:
         out.skipped = str(why)
     out.load = (out.load[0], os.getloadavg()[0])
@@ -922,7 +924,6 @@ def run_scenarios(names: list[str], ns) -> int:
     outcomes = []
     for name in names:
         out = run_scenario(BY_NAME[name], ctx)
-        check_recovered(BY_NAME[name], out)
         outcomes.append(out)
         print(describe(out), flush=True)
     print()
@@ -930,7 +931,6 @@ def run_scenarios(names: list[str], ns) -> int:
     if not ns.out:
         shutil.rmtree(base, ignore_errors=True)
     return 0 if all(o.ok or o.skipped for o in outcomes) else 1
-
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -1017,8 +1017,6 @@ def kill_schedule(ns) -> int:
         shutil.rmtree(base, ignore_errors=True)
     ok = equal and all(k.pid for k in result.kills) and not result.leftover
     return 0 if ok else 1
-
-
 
 
 if __name__ == "__main__":

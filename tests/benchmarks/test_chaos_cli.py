@@ -41,5 +41,6 @@ def test_the_hang_scenarios_set_a_short_deadline_and_expectations_are_consistent
     assert all("runtime.stall_timeout_s={stall}" in by[n].extra for n in ("host-hang", "server-hang"))
     assert by["raylet-loss"].driver_rc == by["gcs-loss"].driver_rc == 75
     assert by["sigterm"].driver_rc == by["sigterm"].first_rc == 143
-    assert all(by[n].driver_rc == 1 and by[n].needs == "root" for n in ("disk-full", "disk-permission", "disk-readonly"))
+    disk = ("disk-full", "disk-permission", "disk-readonly")
+    assert all(by[n].driver_rc == 1 and by[n].needs == "root" for n in disk)
     assert chaos._status(-9) == 137 and chaos._status(75) == 75
