@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 
-from raysim.core.errors import Interrupted, MethodFailed, RunFailed, Terminated, TryLater, UserError, first_line
+from raysim.core.errors import (Interrupted, MethodFailed, RunFailed, Terminated, TryLater, UserError, first_line,
+                                 signal_of)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as err:
         print("raysim: interrupted", file=sys.stderr)
-        return 128 + getattr(err, "signal", 2)
+        return 128 + signal_of(err)
     except OSError as err:  # a write no part of raysim named (the run's own are WriteFailed)
         from raysim.core.files import describe
         where = f" ({err.filename})" if getattr(err, "filename", None) else ""

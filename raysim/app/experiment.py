@@ -16,7 +16,8 @@ import time
 
 from raysim.app.configs import check_methods, load_checked, method_keys
 from raysim.config import ExperimentConfig, dump_yaml
-from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TrainingDiverged, UserError, first_line
+from raysim.core.errors import (Interrupted, MethodFailed, RunFailed, TrainingDiverged, UserError, first_line,
+                                 forget_signal, signal_of)
 from raysim.engine.metrics import MetricsWriter
 from raysim.app.progress import LiveBoard, ProgressCallback, for_terminal, live_terminal
 from raysim.app.rundir import LOCK, RunLock, has_progress, holds_run_of, plan
@@ -53,6 +54,7 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     from raysim.engine.cluster import no_leftover_ray_processes
 
     check_methods(cfg)
+    forget_signal()
     own_ray = not ray.is_initialized() and not debug  # a Ray node this call starts, and ends, itself
     preflight(cfg, address=address, own_ray=own_ray)  # every mistake found without training: before Ray, before the folder
     run_dir = out or default_run_dir(cfg)
@@ -70,7 +72,7 @@ def run(cfg: ExperimentConfig, out: str | None = None, address: str | None = Non
     except KeyboardInterrupt as err:
         hint = (f"; resume with: raysim run --resume {run_dir}" if os.path.isfile(os.path.join(run_dir, "config.yaml"))
                 and has_progress(run_dir) else "")
-        raise Interrupted(f"interrupted{hint}", signal=getattr(err, "signal", 2)) from None
+        raise Interrupted(f"interrupted{hint}", signal=signal_of(err)) from None
     except UserError:
         if held:
             remove_unstarted(made)
@@ -305,7 +307,7 @@ def _run_federations(jobs: list, progress: bool, resume: bool, show_seed: bool =
                     break
     except KeyboardInterrupt as err:
         hint = f"; resume with: raysim run --resume {top}" if top else ""
-        raise Interrupted(f"interrupted; finished federations are kept{hint}", signal=getattr(err, "signal", 2)) from None
+        raise Interrupted(f"interrupted; finished federations are kept{hint}", signal=signal_of(err)) from None
 
 
 def resume_config(run_dir: str, overrides: list[str]) -> ExperimentConfig:

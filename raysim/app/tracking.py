@@ -134,6 +134,25 @@ def _summary_writer():
     return SummaryWriter
 
 
+def _quiet_event_writer_threads() -> None:
+    """TensorBoard writes its event files from a thread of its own, whose failed write (a full disk,
+    a read-only file system) Python would print as a traceback; the run's next write in the main
+    thread fails the same way and says so in one line, so that thread's OSError is dropped."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_raysim_quiet", False):
+        return
+
+    def excepthook(args):
+        if issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    excepthook._raysim_quiet = True
+    threading.excepthook = excepthook
+
+
 class TensorBoardWriter(Callback):
     """Per-round scalars and the config's hparams in ``<run_dir>/tb/``. Each round is recorded
     once: a round replayed after a lost host or server (identical by construction) is skipped,
@@ -142,6 +161,7 @@ class TensorBoardWriter(Callback):
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.logdir = cfg, os.path.join(run_dir, "tb")
         self._writer_cls = _summary_writer()
+        _quiet_event_writer_threads()
         self.writer = None
         self.recorded = 0  # the last round written
 

@@ -55,6 +55,25 @@ class Terminated(KeyboardInterrupt):
     KeyboardInterrupt, so every phase stops the same way; exit code 143."""
     signal = 15
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        _received["signal"] = self.signal
+
+
+_received = {"signal": None}  # the signal a Terminated was last raised for
+
+
+def forget_signal() -> None:
+    """A new command or run starts: no signal received yet."""
+    _received["signal"] = None
+
+
+def signal_of(interrupt: BaseException) -> int:
+    """The signal that stopped the run: the interrupt's own, else the one the last Terminated was
+    raised for (Ray turns an exception raised while it waits into a plain KeyboardInterrupt, which
+    would read as Ctrl-C), else SIGINT."""
+    return getattr(interrupt, "signal", None) or _received["signal"] or 2
+
 
 class TrainingDiverged(UserError):
     """A client's loss became NaN or infinite: usually the learning rate is too high."""

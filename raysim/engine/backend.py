@@ -9,7 +9,7 @@ one-line user error naming the operation and the model (:mod:`raysim.engine.dete
 """
 from __future__ import annotations
 
-from raysim.core.errors import UserError, first_line
+from raysim.core.errors import TryLater, UserError, first_line
 from raysim.engine import cluster
 
 
@@ -43,7 +43,7 @@ class RayActors:
         try:
             cluster.check_resources(cfg, num_hosts)
             return True
-        except UserError:
+        except (UserError, TryLater):
             return False
 
     def get(self, refs):
@@ -186,7 +186,7 @@ class InProcess(RayActors):
     def pending(self, refs, timeout: float) -> list:
         return []
 
-    def alive(self, actor) -> bool:
+    def alive(self, actor, timeout: float = 0.0) -> bool:
         return True
 
     def lost(self) -> tuple:

@@ -324,20 +324,36 @@ def _token_auth() -> None:
 
 
 def check_resources(cfg, num_hosts: int) -> None:
+    """That the Ray cluster holds ``num_hosts`` hosts and the server, free or not. Short of it, a
+    UserError where raysim started Ray on this machine (it will not grow); TryLater (exit 75) on a
+    joined cluster, which may (an autoscaler, a lost node coming back)."""
     import ray
 
     total = ray.cluster_resources()
     rt = cfg.runtime
+    short = UserError if started_here() else TryLater
+    later = "" if short is UserError else " now (it may grow: rerun the same command later)"
     need_gpu = rt.gpus_per_host * num_hosts
     if need_gpu > 0 and total.get("GPU", 0) == 0:
-        raise UserError(f"runtime.gpus_per_host = {rt.gpus_per_host} but the Ray cluster has no GPUs; "
-                        "set runtime.gpus_per_host=0 or join a cluster with GPUs")
+        raise short(f"runtime.gpus_per_host = {rt.gpus_per_host} but the Ray cluster has no GPUs{later}; "
+                    "set runtime.gpus_per_host=0 or join a cluster with GPUs")
     need_cpu = rt.cpus_per_host * num_hosts + rt.server_cpus
     for name, need in (("CPU", need_cpu), ("GPU", need_gpu)):
         if need > total.get(name, 0) + 1e-9:
-            raise UserError(f"the federation needs {need:g} {name} ({num_hosts} hosts x "
-                            f"{rt.cpus_per_host if name == 'CPU' else rt.gpus_per_host:g}) but the Ray cluster "
-                            f"has {total.get(name, 0):g}; lower runtime.num_hosts or runtime.{name.lower()}s_per_host")
+            raise short(f"the federation needs {need:g} {name} ({num_hosts} hosts x "
+                        f"{rt.cpus_per_host if name == 'CPU' else rt.gpus_per_host:g}) but the Ray cluster "
+                        f"has {total.get(name, 0):g}{later}; lower runtime.num_hosts or runtime.{name.lower()}s_per_host")
+
+
+def started_here() -> bool:
+    """Whether this process started the Ray node it is connected to (raysim's own local instance),
+    rather than joining a cluster."""
+    try:
+        import ray
+        node = ray._private.worker._global_node
+        return node is not None and bool(node.all_processes)
+    except Exception:  # noqa: BLE001 -- Ray's internals moved: take it as joined
+        return False
 
 
 def host_bundles(cfg, num_hosts: int) -> list[dict]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from raysim.engine import checkpoint, runstate
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
-from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError
+from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
 from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
@@ -39,6 +39,7 @@ from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
 
+SERVER_CHECK_S = 10.0  # how long a Server has to answer a health check when hosts were lost
 END_ACTORS_S = 3.0  # after a stop or a signal, how long the actors' ending is waited for
 CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
 
@@ -165,7 +166,7 @@ class FederationRun:
         ``error.txt``; a stop the driver asked for, user errors and run failures as they are."""
         where = f"in round {rnd}" if rnd else "during start-up"
         if isinstance(err, KeyboardInterrupt):
-            return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=getattr(err, "signal", 2))
+            return Interrupted(f"interrupted {where}; {self._resume_hint()}", signal=signal_of(err))
         if isinstance(err, OSError):  # a write no `writing(...)` named
             err = WriteFailed(getattr(err, "filename", None) or f"a file in {self.run_dir}", err)
         if isinstance(err, WriteFailed):
@@ -184,7 +185,7 @@ class FederationRun:
                              "model), data.options.image_size or the partition's train_size, or free memory "
                              "on this machine")
         if isinstance(err, ActorLost):
-            return RunFailed(f"{err.what} was lost {where} ({err.reason}); {self._resume_hint()}")
+            return RunFailed(f"{err.what} {err.was} lost {where} ({err.reason}); {self._resume_hint()}")
         return self._bug(err, where)
 
     def _bug(self, err: Exception, where: str) -> MethodFailed:
@@ -391,14 +392,17 @@ class FederationRun:
         clients' state is ahead of the checkpoint); roll back to the last checkpoint (or round 0)
         and return its round."""
         while True:
+            if not lost.server and not self.backend.alive(self.server, timeout=SERVER_CHECK_S):
+                # one fault, one restart: a node lost with hosts and the Server on it is replaced at once
+                lost = ActorLost(lost.hosts, lost.reason, server=True, out_of_memory=lost.out_of_memory)
             if not self.faults.failed(rnd):
-                raise RunFailed(f"{lost.what} was lost in round {rnd} ({lost.reason}), {self.faults.count} times "
+                raise RunFailed(f"{lost.what} {lost.was} lost in round {rnd} ({lost.reason}), {self.faults.count} times "
                                 f"without progress (runtime.max_restarts = {self.faults.limit}); "
                                 f"{self._resume_hint()}")
             ckpt = checkpoint.latest(self.run_dir, self.cfg, warn=_warn)
             start = f"the checkpoint of round {ckpt['round']}" if ckpt else "round 1"
             self.doing, self.starting = f"the replacement after round {rnd}'s loss", True
-            _warn(f"raysim: warning: {lost.what} was lost in round {rnd} ({lost.reason}); replacing it and "
+            _warn(f"raysim: warning: {lost.what} {lost.was} lost in round {rnd} ({lost.reason}); replacing {lost.it} and "
                   f"replaying from {start} (restart {self.faults.count} of {self.faults.limit})")
             try:
                 self._stop_hosts()
@@ -498,11 +502,14 @@ class ActorLost(Exception):
     def __init__(self, hosts: list[int], reason: str, server: bool = False, out_of_memory: bool = False):
         self.hosts, self.reason, self.server, self.out_of_memory = hosts, reason, server, out_of_memory
         if server:
-            self.what = "the Server"
+            self.what = "the Server" + (f" and ClientHost{'s' if len(hosts) > 1 else ''} "
+                                        + ", ".join(map(str, hosts)) if hosts else "")
         elif hosts:
             self.what = ("ClientHost " if len(hosts) == 1 else "ClientHosts ") + ", ".join(map(str, hosts))
         else:
             self.what = "a ClientHost"
+        several = server and hosts or len(hosts) > 1
+        self.was, self.it = ("were", "them") if several else ("was", "it")
         super().__init__(f"{self.what} lost: {reason}")
 
 
