@@ -29,7 +29,7 @@ import threading
 import time
 
 from raysim.core.errors import TryLater, UserError, first_line
-from raysim.core.files import writing
+from raysim.core.files import write_json, writing
 from raysim.engine.datashards import dataset_domains
 
 LOCK = "raysim.lock"
@@ -191,25 +191,14 @@ class _LockFile:
 
 
 def _create_once(path: str, record: dict) -> bool:
-    """Create ``path`` holding ``record`` (JSON) unless it exists; True if this call created it.
-
-    Written to a temporary file first and hard-linked into place: the file appears whole, and
-    only one link to a name can succeed, on a local disk and on an NFS server alike. A link whose
-    reply NFS lost and retransmitted reports EEXIST though it succeeded: the temporary file's
-    second link tells."""
-    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    with writing(path, (FileExistsError,)):
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(record, fh)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return os.stat(tmp).st_nlink > 1
-            return True
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+    """Create ``path`` holding ``record`` (JSON) unless it exists; True if this call created it
+    (:func:`raysim.core.files.write_atomically`'s exclusive write: the file appears whole, and
+    only one link to a name can succeed)."""
+    try:
+        write_json(path, record, exclusive=True)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _pid_alive(pid) -> bool:

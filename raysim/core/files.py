@@ -22,8 +22,9 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None], *, w
                      keep_error: bool = False) -> None:
     """``write(tmp)`` writes the content to a temporary path, which then replaces ``path``.
 
-    ``exclusive``: create ``path`` only where none exists (a lock file): a hard link, so it
-    fails with FileExistsError, untranslated, if another writer got there first.
+    ``exclusive``: create ``path`` only where none exists (a lock file): a hard link, which only
+    one writer can make, on a local disk and on an NFS server alike; it fails with
+    FileExistsError, untranslated, if another writer got there first.
     ``mode``: the file's permission bits (default: what ``open`` gives under the umask).
     ``what`` names the file in a WriteFailed (default: the path).
     ``keep_error``: raise the original error instead of a WriteFailed (a caller that names the
@@ -47,7 +48,13 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None], *, w
             if filesystem is not None:
                 filesystem.move(tmp, path)
             elif exclusive:
-                os.link(tmp, path)
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    # an NFS server that lost its reply to a link that worked answers the client's
+                    # retry with EEXIST: the temporary file's second link tells
+                    if os.stat(tmp).st_nlink < 2:
+                        raise
             else:
                 os.replace(tmp, path)
         except BaseException:

@@ -32,7 +32,7 @@ from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
 from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
-from raysim.core.files import WriteFailed, describe, free_space_note, write_json, writing
+from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
 from raysim.engine.balance import plan_for
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
@@ -193,9 +193,8 @@ class FederationRun:
         text = self.backend.traceback(err)
         path = os.path.join(self.run_dir, "error.txt")
         try:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(f"{self.cfg.method} raised {where}:\n\n{text}")
-        except OSError:
+            write_text(path, f"{self.cfg.method} raised {where}:\n\n{text}")
+        except WriteFailed:  # the traceback is still shown
             path = None
         what = self.backend.error_line(err)
         saved = f"the traceback is above and in {path}" if path else "the traceback is above"
