@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: run test install install-test clean
+.PHONY: run test test-slow install install-test clean
 
 # pip byte-compiles the ~15k installed modules one at a time; compileall does it on every core.
 # (Precompiled is what matters: with PYTHONDONTWRITEBYTECODE set, each Ray worker would otherwise
@@ -34,8 +34,14 @@ install-test: $(VENV)/.installed-test
 run: install
 	$(VENV)/bin/raysim run $(ARGS)
 
+# `make test` is the suite a change is checked with (under 15 minutes on 2 cores); the end-to-end
+# tests marked slow (benchmark smokes, tune searches, clusters, the long chaos runs: ~15 minutes
+# more) run in `make test-slow`, which CI runs after it (.ci/run).
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install-test
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

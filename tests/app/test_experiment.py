@@ -56,6 +56,7 @@ def test_run_directory_has_config_metrics_summary_curves(fedbn_one_host):
     ["runtime.num_hosts=2"],
     ["runtime.num_hosts=null", "runtime.clients_per_host=1", "runtime.cpus_per_host=0.4"],
 ])
+@pytest.mark.slow
 def test_same_metrics_whatever_the_host_layout(fedbn_one_host, tmp_path, runtime):
     out = str(tmp_path / "run")
     run(tiny("method=fedbn", *runtime), out=out, progress=False)
@@ -99,6 +100,7 @@ def test_nan_loss_stops_with_client_and_round_and_keeps_metrics(ray_session, tmp
     assert os.path.isfile(tmp_path / "config.yaml")
 
 
+@pytest.mark.slow
 def test_leave_one_domain_out_trains_on_sources_and_tests_the_unseen_domain(ray_session, tmp_path):
     run(tiny("eval.protocol=lodo", "eval.holdout=usps", "rounds=1", "runtime.num_hosts=2"),
         out=str(tmp_path), progress=False)
@@ -112,6 +114,7 @@ def test_leave_one_domain_out_trains_on_sources_and_tests_the_unseen_domain(ray_
     assert "Leave-one-domain-out" in summary and "| usps | Avg |" in re.sub(" +", " ", summary)
 
 
+@pytest.mark.slow
 def test_held_out_domains_run_in_parallel_with_the_same_metrics(ray_session, tmp_path):
     """One host per federation on the session's 2 CPUs: two held-out domains train at once, and a
     held-out domain gives the metrics it gives when run alone."""
@@ -133,6 +136,7 @@ def test_unknown_holdout_domain(ray_session, tmp_path):
         run(tiny("eval.protocol=lodo", "eval.holdout=nowhere"), out=str(tmp_path), progress=False)
 
 
+@pytest.mark.slow
 def test_post_train_eval_point_scores_the_model_as_it_left_training(ray_session, tmp_path):
     """FedAvg's round 1 evaluated post-train is each client's model after one local epoch from the
     common initial model: exactly Local's round-1 model (received, it would be the average)."""

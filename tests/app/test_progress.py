@@ -33,6 +33,7 @@ def rows(screen: str, method: str) -> list[str]:
     return [line for line in screen.splitlines() if line.split()[:1] == [method]]
 
 
+@pytest.mark.slow
 def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_path):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (make test installs it with apt-get)")
@@ -84,6 +85,7 @@ def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_p
         subprocess.run([*tmux, "kill-server"], capture_output=True)
 
 
+@pytest.mark.slow
 def test_plain_lines_when_not_a_terminal(tmp_path):
     r = subprocess.run([sys.executable, "-m", "raysim", "run", *ARGS, "--out", str(tmp_path / "run")], cwd=REPO,
                        env=env(), capture_output=True, text=True, timeout=240)

@@ -172,6 +172,7 @@ def test_mlflow_missing_is_a_user_error(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- MLflow
 
+@pytest.mark.slow
 def test_mlflow_logs_metrics_params_and_artifacts(tmp_path, mlflow_server):
     if mlflow_server is None:
         pytest.skip("mlflow is not installed (pip install -e '.[test]' installs it)")

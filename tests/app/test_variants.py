@@ -55,6 +55,7 @@ def test_a_variant_has_its_folder_and_row_and_its_summary_names_both_server_opti
     assert not metrics(os.path.join(compared, "adam")).equals(metrics(os.path.join(compared, "fedavg")))
 
 
+@pytest.mark.slow
 def test_a_run_with_a_variant_resumes(compared, tmp_path, capsys):
     """The variant lost its last round (its metrics and status gone, its round-1 checkpoint kept):
     `raysim run --resume` runs round 2 of the variant alone, from that checkpoint (its config's

@@ -18,6 +18,7 @@ def _env():
     return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+@pytest.mark.slow
 def test_device_benchmark_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench"
     r = subprocess.run([sys.executable, RUN, "--device", "cpu", "--rounds", "2", "--only", "B", "--out", str(out)],

@@ -38,6 +38,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["silo", "device"])
 def test_plain_loop_and_raysim_compute_the_same_model(ray_session, tmp_path, one_thread, kind):
     spec = tiny(kind)

@@ -86,6 +86,7 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+@pytest.mark.slow
 def test_sbatch_script_starts_two_nodes_runs_and_stops_ray(tmp_path):
     temp = tempfile.mkdtemp(prefix="rssl-", dir="/tmp")  # short: Ray's socket paths live under it
     marker = os.path.basename(temp)

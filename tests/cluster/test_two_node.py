@@ -115,6 +115,7 @@ def _metrics(run_dir) -> "pd.DataFrame":  # noqa: F821
     return pq.read_table(os.path.join(run_dir, "metrics.parquet")).to_pandas()
 
 
+@pytest.mark.slow
 def test_two_node_run_places_hosts_on_both_nodes_and_matches_single_node(two_node_cluster, tmp_path):
     from raysim.app.experiment import run
     from raysim.app.sharding import write_federation_shards

@@ -4,6 +4,7 @@ records through the object store)."""
 import os
 
 import pyarrow.parquet as pq
+import pytest
 
 from raysim.config import load_config
 from raysim.app.experiment import federation
@@ -54,6 +55,7 @@ def _run(tmp_path, name, *overrides, plan=None):
     return pq.read_table(os.path.join(tmp_path, name, "metrics.parquet")).to_pandas()
 
 
+@pytest.mark.slow
 def test_the_same_results_whichever_host_trains_a_client(ray_session, tmp_path):
     pinned = _run(tmp_path, "owner", "runtime.balance=owner")
     # every client on the host after its owner: FedBN's BN state read from the owner and returned

@@ -123,6 +123,7 @@ def test_seeds_and_select_config():
 
 # ----------------------------------------------------------------------------- seeds
 
+@pytest.mark.slow
 def test_seeds_run_every_method_per_seed_and_summarize_mean_std_and_pairs(ray_session, tmp_path):
     from raysim.app.experiment import run
     run(tiny("methods=[fedavg,fedbn]", "seeds=[0,1]"), out=str(tmp_path), progress=False)

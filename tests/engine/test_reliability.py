@@ -54,6 +54,7 @@ def undisturbed(undisturbed_dir):
     return metrics(undisturbed_dir)
 
 
+@pytest.mark.slow
 def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
     out = str(tmp_path / "run")
 
@@ -68,6 +69,7 @@ def test_interrupted_driver_resumes_to_identical_metrics(undisturbed, tmp_path):
     assert metrics(out).equals(undisturbed)
 
 
+@pytest.mark.slow
 def test_chaos_under_the_cluster_supervisor_hosts_server_and_driver_killed_recover_identical_metrics(
         undisturbed, tmp_path):
     """benchmarks/chaos.py, short, with cluster/supervise.sh (what raysim.sbatch runs the driver
@@ -105,6 +107,7 @@ def test_chaos_under_the_cluster_supervisor_hosts_server_and_driver_killed_recov
     assert metrics(str(out)).equals(undisturbed)
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_round_exits_130_with_the_resume_hint_and_leaves_no_ray_behind(tmp_path):
     """The real thing: SIGINT (what Ctrl-C sends to the foreground process group) to ``raysim run``
     once a round's checkpoint is on disk: one line with the resume command, exit 130, and no
@@ -149,6 +152,7 @@ def test_ctrl_c_in_a_round_exits_130_with_the_resume_hint_and_leaves_no_ray_behi
     assert not left, left
 
 
+@pytest.mark.slow
 def test_host_and_server_killed_mid_round_are_replaced_and_metrics_are_identical(undisturbed, tmp_path):
     import ray
 

@@ -108,6 +108,7 @@ def searches(ray_session, tmp_path_factory, tiny_experiment):
     return s
 
 
+@pytest.mark.slow
 def test_a_killed_trial_is_retried_from_its_last_checkpoint(searches):
     assert [a for a, _ in searches["killed"][1]] == [1], searches["first_lines"]
     df = searches["first_df"].set_index("trial")
@@ -125,6 +126,7 @@ def test_a_killed_trial_is_retried_from_its_last_checkpoint(searches):
     assert "(completed) after 1 retry" in lines
 
 
+@pytest.mark.slow
 def test_a_trial_that_keeps_failing_shows_its_cause(searches):
     assert [a for a, _ in searches["killed"][2]] == [1, 2]
     df = searches["first_df"].set_index("trial")
@@ -146,6 +148,7 @@ def test_a_trial_that_keeps_failing_shows_its_cause(searches):
     assert states == [(0, "COMPLETE", df.loc[1, "objective"]), (1, "FAIL", None)], states
 
 
+@pytest.mark.slow
 def test_a_rerun_says_what_it_reruns_and_optuna_agrees(searches):
     lines = searches["rerun_lines"]
     assert "  search complete: 2 trials; re-running 1 failed trial (trial 2) from its last checkpoint" in lines, lines

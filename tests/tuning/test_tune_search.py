@@ -34,6 +34,7 @@ def search(ray_session, tmp_path_factory, tiny_experiment):
     return spec, out, result, lines
 
 
+@pytest.mark.slow
 def test_search_writes_the_three_outputs(search):
     spec, out, result, lines = search
     assert result["exit_code"] == 0
@@ -48,6 +49,7 @@ def test_search_writes_the_three_outputs(search):
     assert any("trials: " in line for line in lines)
 
 
+@pytest.mark.slow
 def test_the_scheduler_stops_the_bad_trial_early(search):
     spec, out, result, lines = search
     df = pd.read_parquet(out / "trials.parquet").set_index("trial")
@@ -60,6 +62,7 @@ def test_the_scheduler_stops_the_bad_trial_early(search):
     assert (out / "trials").is_dir() and len(list((out / "trials").iterdir())) == 2
 
 
+@pytest.mark.slow
 def test_each_trial_is_tracked_like_a_run(search):
     """TensorBoard events in each trial's run directory (read with TensorBoard's own reader) and one
     MLflow run per trial, named after it, with the sampled learning rate as a param."""
@@ -81,6 +84,7 @@ def test_each_trial_is_tracked_like_a_run(search):
         assert float(params["train.lr"]) == pytest.approx(lr)
 
 
+@pytest.mark.slow
 def test_trials_run_inside_their_placement_group(search):
     import json
     spec, out, result, lines = search
@@ -89,6 +93,7 @@ def test_trials_run_inside_their_placement_group(search):
         assert info["placement_group"] and info["bundles"][1] == {"CPU": 0.5}
 
 
+@pytest.mark.slow
 def test_best_yaml_reruns_to_the_same_metric(search, tmp_path):
     from raysim.app.experiment import run
 
@@ -103,6 +108,7 @@ def test_best_yaml_reruns_to_the_same_metric(search, tmp_path):
     assert val["value"].iloc[-1] == pytest.approx(df.loc[1, "val_avg_final"], abs=1e-12)
 
 
+@pytest.mark.slow
 def test_every_trial_gives_its_resources_back(search, ray_session):
     """The stopped trial's federation (Server, hosts) and both placement groups are gone."""
     import time
