@@ -406,6 +406,7 @@ def _free() -> str:
 
 
 HEALTH = "health"  # the actors' concurrency group for health checks
+HEALTH_POLL_S = 0.5  # alive(): how often the caller's check runs while a health check is awaited
 
 
 def health_checked(cls):
@@ -549,9 +550,30 @@ def remote_traceback(err) -> str:
     return "\n".join(body) + "\n"
 
 
-def alive(actor, timeout: float = 30.0) -> bool:
-    """Whether ``actor`` answers a health check (its health thread: a busy actor answers too)."""
-    return not silent({0: actor}, timeout)
+def alive(actor, timeout: float = 30.0, check=None) -> bool:
+    """Whether ``actor`` answers a health check (its health thread: a busy actor answers too)
+    within ``timeout`` seconds; a dead one is known at once. ``check``: called every
+    ``HEALTH_POLL_S`` while waiting (the watchdog's, which raises once the run is stopped)."""
+    import ray
+
+    try:
+        ref = actor.ping.options(concurrency_group=HEALTH).remote()
+    except Exception:  # noqa: BLE001 -- a handle Ray no longer knows
+        return False
+    deadline = time.monotonic() + timeout
+    while True:
+        if check is not None:
+            check()
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(HEALTH_POLL_S, left)))
+        if ready:
+            try:
+                ray.get(ref, timeout=0)
+                return True
+            except Exception:  # noqa: BLE001 -- died meanwhile
+                return False
+        if left <= HEALTH_POLL_S:
+            return False
 
 
 def server_placement(avoid_node: str | None = None, cpus: float = 0.0):

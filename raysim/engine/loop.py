@@ -378,20 +378,26 @@ class FederationRun:
             if self.backend.is_code_error(err):
                 raise
             reason, oom = plain_reason(err), self.backend.out_of_memory(err)
-            if not self.backend.alive(self.server):
+            if not self._answers(self.server):
                 raise ActorLost([], reason, server=True, out_of_memory=oom) from None
-            dead = [h for h, actor in enumerate(self.hosts) if not self.backend.alive(actor)]
+            dead = [h for h, actor in enumerate(self.hosts) if not self._answers(actor)]
             if not dead:
                 raise
             raise ActorLost(dead, reason, out_of_memory=oom) from None
 
     # ------------------------------------------------------------------ recovery and checkpoints
+    def _answers(self, actor, timeout: float = 30.0) -> bool:
+        """Whether ``actor`` answers a health check; a stop asked for meanwhile ends the wait (a
+        signal to the whole process group ends Ray's workers too: their loss is no fault)."""
+        return self.backend.alive(actor, timeout, check=self.watchdog.check)
+
     def _recover(self, lost: "ActorLost", rnd: int) -> int:
         """Replace what was lost (the server, or the host pool), and the pool in any case (its
         clients' state is ahead of the checkpoint); roll back to the last checkpoint (or round 0)
         and return its round."""
         while True:
-            if not lost.server and not self.backend.alive(self.server, timeout=SERVER_CHECK_S):
+            self.watchdog.check()  # stopped (a signal, a sibling's error): nothing to replace
+            if not lost.server and not self._answers(self.server, SERVER_CHECK_S):
                 # one fault, one restart: a node lost with hosts and the Server on it is replaced at once
                 lost = ActorLost(lost.hosts, lost.reason, server=True, out_of_memory=lost.out_of_memory)
             if not self.faults.failed(rnd):
@@ -424,7 +430,7 @@ class FederationRun:
             except self.backend.lost() as err:
                 if self.backend.is_code_error(err):
                     raise
-                lost = ActorLost([], plain_reason(err), server=not self.backend.alive(self.server))
+                lost = ActorLost([], plain_reason(err), server=not self._answers(self.server))
 
     def _checkpoint_due(self, rnd: int) -> bool:
         c = self.cfg.checkpoint
