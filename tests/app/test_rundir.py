@@ -167,6 +167,29 @@ def test_two_processes_racing_for_a_stale_lock_one_wins(tmp_path):
     assert [p.name for p in tmp_path.glob("run-*/*")] == []  # the winners' locks released, no claims behind
 
 
+def test_a_late_taker_leaves_the_lock_a_first_taker_put_in_the_stale_ones_place(tmp_path):
+    """The two steps of a takeover the 50-trial race rarely hits between, set up one at a time:
+    a taker that judged a lock stale must not remove it while another taker holds its claim, nor
+    remove the fresh lock that replaced it (the remove-then-create race: two winners)."""
+    from raysim.app.rundir import _LockFile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = run / LOCK
+    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "token": "dead0"}))
+    stale = _LockFile.read(str(path))
+    late = RunLock(str(run), warn=lambda line: None)
+    claim = run / f"{LOCK}.takeover-dead0"  # a live taker's claim on the same stale lock
+    claim.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": "first"}))
+    assert late._remove_stale(stale) is False and json.loads(path.read_text())["token"] == "dead0"
+    claim.unlink()
+    with RunLock(str(run), warn=lambda line: None) as first:  # the first taker has put its own lock there
+        assert late._remove_stale(stale) is False
+        assert json.loads(path.read_text())["token"] == first.me["token"]
+
+
 # ----------------------------------------------------------------------------- the same command resumes
 
 def test_a_rerun_on_a_folder_of_another_config_is_refused_naming_what_differs(tmp_path, capsys):
