@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 import yaml
 
 from raysim.cli import main
@@ -192,6 +193,7 @@ def test_compare_lodo_by_holdout(tmp_path, capsys):
     assert "| 60.00 | 70.00 | 65.00 | 70.00 | -5.00 |" in row(text, "fedsr")
 
 
+@pytest.mark.slow
 def test_compare_errors_are_one_line(tmp_path):
     assert "no such folder" in one_line_error(raysim("compare", str(tmp_path / "missing"), cwd=tmp_path))
     empty = tmp_path / "empty"

@@ -50,6 +50,7 @@ def test_plain_loop_and_raysim_compute_the_same_model(ray_session, tmp_path, one
     assert plain["final_eval"]["ALL"] == pytest.approx(ours["final_eval"]["ALL"], abs=0)
 
 
+@pytest.mark.slow
 def test_check_detects_a_different_computation(one_thread):
     spec = tiny()
     a = run_plain(spec, threads=one_thread, rounds=1)

@@ -284,6 +284,7 @@ def _copy_unfinished(src, dst):
     return dst
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_and_the_resumed_run_equals_the_undisturbed_one(undisturbed, tmp_path,
                                                                                        capsys):
     """One resumed run, two kinds of damage (one run, not two: the suite's time is tight).

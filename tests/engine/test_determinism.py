@@ -80,6 +80,7 @@ def test_deterministic_run_gives_the_same_metrics_on_cpu(tmp_path, restore_torch
     pd.testing.assert_frame_equal(a, b)
 
 
+@pytest.mark.slow
 def test_host_actors_start_with_the_cublas_variable(ray_session):
     """The variable is in the host process's environment from its start (/proc/PID/environ is the
     environment the process was started with), put there by the actor's runtime_env."""

@@ -62,6 +62,7 @@ def test_avg_is_the_mean_over_domains_with_3_1_1_1_1_clients():
     assert len({round(v, 6) for v in (domain_mean, client_mean, weighted, 34 / 70)}) == 4
 
 
+@pytest.mark.slow
 def test_a_run_with_unequal_clients_per_domain_writes_avg_and_avg_clients(ray_session, tmp_path):
     from raysim.app.experiment import run
     run(tiny("data.partition.clients_per_domain=[3,1,1,1,1]"), out=str(tmp_path), progress=False)

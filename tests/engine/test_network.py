@@ -119,6 +119,7 @@ def test_the_probe_tells_loopback_from_every_interface():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
 
 
+@pytest.mark.slow
 def test_a_local_run_listens_only_on_loopback(ray_session, tmp_path):
     seen: list[list[Listener]] = []
 

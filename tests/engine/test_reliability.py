@@ -301,6 +301,7 @@ def test_resume_refuses_a_changed_config(tmp_path):
         resume_config(str(tmp_path), ["train.lr=0.1"])
 
 
+@pytest.mark.slow
 def test_out_of_memory_at_start_up_is_one_line_naming_what_to_lower(tmp_path):
     """Ray's memory monitor killing the server while it loads the data (here: a kill threshold of 1%
     of the machine's memory, so the first task's worker goes) is one line, not Ray's traceback."""

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -48,27 +49,29 @@ def examples_on_path(monkeypatch):
 
 @pytest.mark.parametrize("method", [m for m in registry.names() if m not in SAME_PATH_AS_FEDADAM] + PLUGINS)
 def test_method_conforms(method, tmp_path, ray_session, examples_on_path):
-    # the same metrics whatever the host layout
-    # (two hosts each training its own clients is not run apart: "elsewhere" below is two hosts too)
-    layouts = (["runtime.num_hosts=1"], ["runtime.num_hosts=null", "runtime.clients_per_host=1"])
-    frames = [run_rounds(method, tmp_path / f"layout{i}", *layout) for i, layout in enumerate(layouts)]
-    # and whichever host trains a client: each on the host after its owner, its record moving both ways
-    frames.append(run_rounds(method, tmp_path / "elsewhere", "runtime.num_hosts=2", plan=ElsewherePlan))
-    for other in frames[1:]:
-        assert other.equals(frames[0])
-    pooled = registry.get(method).pools_clients  # one client holding every client's data (DeepAll)
-    domains = {"mnist+usps+svhn"} if pooled else {"mnist", "usps", "svhn"}
-    assert set(frames[0][frames[0].split == "test"].domain) >= domains | {"AVG"}
-
-    # a round never draws from (or reseeds) the global generators
+    # a round never draws from (or reseeds) the global generators: the one-host run, also the
+    # reference of the layouts below, between two looks at torch's, numpy's and Python's state
     torch.manual_seed(123), np.random.seed(123), random.seed(123)
     before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     cfg = load_config(raw={**TINY, "method": method})
-    fed = federation(cfg, str(tmp_path / "rng"), progress=False, backend=InProcess())
+    assert cfg.runtime.num_hosts == 1
+    fed = federation(cfg, str(tmp_path / "one_host"), progress=False, backend=InProcess())
     fed.callbacks.append(KeepHosts())
     fed.run()
     assert torch.equal(torch.get_rng_state(), before[0])
     assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+
+    # the same metrics whatever the host layout (two hosts each training its own clients is not
+    # run apart: "elsewhere" below is two hosts too)
+    one_host = pq.read_table(tmp_path / "one_host" / "metrics.parquet").to_pandas()
+    frames = [run_rounds(method, tmp_path / "per_client", "runtime.num_hosts=null", "runtime.clients_per_host=1")]
+    # and whichever host trains a client: each on the host after its owner, its record moving both ways
+    frames.append(run_rounds(method, tmp_path / "elsewhere", "runtime.num_hosts=2", plan=ElsewherePlan))
+    for other in frames:
+        assert other.equals(one_host)
+    pooled = registry.get(method).pools_clients  # one client holding every client's data (DeepAll)
+    domains = {"mnist+usps+svhn"} if pooled else {"mnist", "usps", "svhn"}
+    assert set(one_host[one_host.split == "test"].domain) >= domains | {"AVG"}
 
     # every client record a checkpoint would hold loads back with weights_only=True
     assert fed.kept_hosts
