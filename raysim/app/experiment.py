@@ -171,7 +171,11 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
 
 # A federation's own failure, which ends it alone: its method's bug, or its training diverging
 OWN_FAILURES = (MethodFailed, TrainingDiverged)
-STOP_GRACE_S = 5.0  # how long the driver waits for the other federations to end on a stop
+# How long the driver waits for the other federations to end on a stop: one in its round loop ends
+# within a poll slice (0.5 s), its files written, then its actors (END_ACTORS_S); one still starting
+# may hang in a Ray call a draining GCS never answers (an actor class's export, after a SIGTERM to
+# the process group), and has nothing to write.
+STOP_GRACE_S = 2.5
 
 
 def _failed_federations(failed: list, total: int, run_dir: str, rendered: bool) -> Exception:

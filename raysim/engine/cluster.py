@@ -62,15 +62,14 @@ def ray_session(address: str | None, runtime=None, methods=()):
     shutdown()
 
 
-SHUTDOWN_BROKEN_S = 2.0  # how long ray.shutdown may take on a node whose raylet or GCS is gone
+SHUTDOWN_BROKEN_S = 1.0  # how long ray.shutdown may take on a node whose raylet or GCS is gone or going
 
 
 def shutdown(bounded: bool = False) -> None:
     """``ray.shutdown``; ``bounded`` (the driver ends on a signal), or where this driver's Ray node
     lost its raylet or GCS, it may take ``SHUTDOWN_BROKEN_S``: a SIGTERM to the process group, as
-    ``scancel`` or a pod's end sends, ends Ray's own processes with the driver, and Ray then waits
-    ~8 s on processes and a GCS that are gone. What is left of the node is ended by
-    :func:`no_leftover_ray_processes`."""
+    ``scancel`` or a pod's end sends, sets the GCS and raylet draining (or ends them), and Ray then
+    waits seconds on them. What is left of the node is ended by :func:`no_leftover_ray_processes`."""
     import threading
 
     import ray
@@ -675,6 +674,13 @@ def quiet_worker_death_notices() -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
+# A SIGTERM to the process group (scancel, a pod's end) reaches the GCS and raylet but not the
+# workers (Ray gives each its own process group): the GCS and raylet then drain for seconds,
+# waiting on workers nobody asked to end. Every file is written by then; nothing is lost by a
+# SIGKILL after this grace.
+LEFTOVER_GRACE_S = 1.0
+
+
 @contextlib.contextmanager
 def no_leftover_ray_processes():
     """On leaving, end what is left of the Ray node started inside (the Ray processes among this
@@ -685,7 +691,7 @@ def no_leftover_ray_processes():
     try:
         yield
     finally:
-        stop_descendants(lambda cmd: "ray" in cmd, skip=before)
+        stop_descendants(lambda cmd: "ray" in cmd, skip=before, grace_s=LEFTOVER_GRACE_S)
 
 
 def stop_descendants(match, skip=frozenset(), grace_s: float = 3.0) -> list[int]:

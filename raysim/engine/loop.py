@@ -40,7 +40,7 @@ from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
 
 SERVER_CHECK_S = 10.0  # how long a Server has to answer a health check when hosts were lost
-END_ACTORS_S = 3.0  # after a stop or a signal, how long the actors' ending is waited for
+END_ACTORS_S = 1.0  # after a stop or a signal, how long the actors' ending is waited for (ms on a live node)
 CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
 
 
