@@ -81,11 +81,18 @@ def _search(spec: TuneSpec, out: str, address: str | None, echo) -> dict:
     from ray import tune
     from raysim.engine.cluster import ray_session
 
-    resume = prepare_dir(out, spec)
+    import ray
+    from raysim.app.configs import load_checked
+    from raysim.app.preflight import preflight
+
     base = spec.base_config()
     address = address or base.runtime.address
     local = not (address or os.environ.get("RAY_ADDRESS"))
     run_raw = spec.run_experiment()
+    # a data, model or layout mistake: one line before Ray starts and before the search's folder
+    # (inside a trial, a Ray task found it a minute later)
+    preflight(load_checked(raw=run_raw), address, own_ray=not ray.is_initialized())
+    resume = prepare_dir(out, spec)
     if get_path(run_raw, "tracking.mlflow_experiment") is None:  # MLflow: one experiment per search
         set_path(run_raw, "tracking.mlflow_experiment", spec.name)
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "

@@ -172,6 +172,7 @@ def test_host_and_server_killed_mid_round_are_replaced_and_metrics_are_identical
     assert metrics(fed.run_dir).equals(undisturbed)
 
 
+@pytest.mark.slow  # two stall deadlines waited out (~100 s): make test-slow
 def test_a_stopped_host_and_a_stopped_server_are_detected_within_the_deadline_and_replayed(undisturbed, tmp_path,
                                                                                           capsys):
     """SIGSTOP (what a wedged GPU kernel, an NFS stall or a deadlock look like from outside): the

@@ -32,6 +32,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # two real `raysim tune` processes (~30 s): make test-slow
 def test_a_second_raysim_tune_on_the_same_out_is_refused_in_one_line(tmp_path, cache_env, tiny_experiment):
     """Two real ``raysim tune`` processes: the second starts while the first holds the lock."""
     config, out = tune_config(tmp_path, tiny_experiment), tmp_path / "search"
