@@ -1,7 +1,10 @@
 """Ditto: its key equations against values worked out by hand on scalars or tiny tensors (baselines
 spec 3.1)."""
 import math
+import os
+import shutil
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,10 +12,13 @@ from torch import nn
 
 from small_cnn_harness import Scalar, context, setup, small
 from raysim.app.configs import load_checked
+from raysim.app.experiment import federation, resume_config
 from raysim.core.contract import sgd_step
 from raysim.core.errors import UserError
+from raysim.engine import checkpoint
+from raysim.engine.backend import InProcess
 from raysim.methods.ditto import Ditto, personal_objective
-from raysim.testing import TINY, client_data, random_client_data
+from raysim.testing import TINY, client_data, random_client_data, run_rounds
 
 
 def test_ditto_personal_solver_converges_geometrically_to_its_fixed_point():
@@ -160,3 +166,23 @@ def test_an_invalid_lambda_is_a_one_line_config_error(hp, message):
 def test_lam_auto_and_numbers_as_strings_are_read():
     assert Ditto.Hparams.from_dict({"lam": "auto"}).lam == "auto"
     assert Ditto.Hparams.from_dict({"lam": "1e-3"}).lam == 0.001  # YAML 1.1 reads 1e-3 as a string
+
+
+@pytest.mark.slow  # two runs of TINY through the round loop (~25 s here on a loaded 2-core machine)
+def test_auto_lambdas_are_checkpointed_and_a_resumed_run_equals_the_undisturbed_one(tmp_path):
+    """Two rounds of lam auto on TINY (InProcess: no Ray), a checkpoint after round 1: each client's
+    checkpointed state holds the lambda it reported in round 1, and the run resumed from there ends
+    with the undisturbed run's metrics (round 2's lambdas included)."""
+    run, overrides = str(tmp_path / "run"), ["hp.ditto.lam=auto", "checkpoint.every=1"]
+    undisturbed = run_rounds("ditto", run, *overrides)
+    stored = checkpoint.read(run, 1, load_checked(raw={**TINY, "method": "ditto"}, overrides=overrides))["clients"]
+    reported = undisturbed[(undisturbed.metric == "lam") & (undisturbed["round"] == 1) & (undisturbed.client >= 0)]
+    assert len(reported) == 3 and {int(r.client): r.value for r in reported.itertuples()} == {
+        c: stored[c]["state"]["lam"] for c in stored}
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(run, resumed)
+    for name in ("metrics.parquet", "status.json"):  # the run's own, as a run stopped after round 1 leaves it
+        os.remove(os.path.join(resumed, name))
+    result = federation(resume_config(resumed, []), resumed, progress=False, backend=InProcess()).run(resume=True)
+    assert result.rounds_done == 2 and len(result.round_seconds) == 1  # round 2 only: it resumed
+    assert pq.read_table(os.path.join(resumed, "metrics.parquet")).to_pandas().equals(undisturbed)
