@@ -252,3 +252,14 @@ def test_a_pass_the_method_does_not_declare_is_charged(monkeypatch):
     monkeypatch.setitem(registry._METHODS, "peeking_fedavg", PeekingFedAvg)
     macs, _, model, _ = charged("peeking_fedavg")
     assert macs == 4 * dense_macs(model) * 12
+
+
+def test_dittos_lam_auto_is_charged_a_personal_solver_per_grid_value_and_their_validation_passes():
+    """lam auto trains one personal model per value of the grid (3) beside the global one, then
+    scores each on the client's validation split (a forward pass per sample): 2 x a fixed lambda's
+    training, plus 3 x M x n_val."""
+    from raysim.engine.federation import Federation
+    ditto, _, _, _ = charged("ditto")
+    auto, _, model, _ = charged("ditto", {"lam": "auto"})
+    n_val = len(Federation(load_config(raw={**TINY, "method": "ditto"})).client_data(0).for_method().val)
+    assert n_val >= 4 and auto == 2 * ditto + 3 * dense_macs(model) * n_val

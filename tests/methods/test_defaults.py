@@ -51,7 +51,7 @@ PINNED = {
                  'prune_scheme': 'filters',
                  'bn_stats': 'recovered',
                  'official_compat': False},
-    'ditto': {'lam': 1.0},
+    'ditto': {'lam': 1.0, 'lam_grid': (0.1, 1.0, 2.0)},
     'elcfs': {'r': 0.01, 'beta': 0.0, 'clip': 100.0, 'bank_fraction': 1.0, 'gamma': 0.0, 'tau': 0.1},
     'fdse': {'lam': 0.1,
              'tau': 0.5,
