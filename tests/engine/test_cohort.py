@@ -5,6 +5,7 @@ leaves it: its weights and buffers (BN running statistics), its upload, its loss
 multiply-accumulates the simulated clock charges it, within 1e-5 relative. The clients have
 unequal data sizes (so some stop before others, and some batches are short), gradient clipping,
 momentum and weight decay, and start from different weights."""
+import math
 import sys
 from types import SimpleNamespace
 
@@ -172,6 +173,53 @@ def test_clipping_and_momentum_matter_here():
     a = per_client(method, mlp, train_cfg())
     b = per_client(method, mlp, train_cfg(grad_clip=None))
     assert rel(a[3][0]["1.weight"], b[3][0]["1.weight"]) > 1e-3
+
+
+
+class Logits(nn.Module):
+    """Two logits that are two parameters, whatever the input: a step's gradient by hand (two
+    tensors, so the gradient's norm is over both, as ``clip_grad_norm_``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return torch.cat([self.first, self.second]).expand(len(x), 2)
+
+    def logits(self):
+        return torch.cat([self.first, self.second]).detach().clone()
+
+
+def test_each_clients_clip_coefficient_is_capped_at_one():
+    """One plain SGD step (lr 1, train.grad_clip 1) on one class-0 example, two clients in one
+    cohort. From b = (0, 0) the gradient softmax - onehot is (-1/2, 1/2), norm 0.71 < 1: the
+    coefficient is exactly 1 (not 1 / 0.71), b = (1/2, -1/2) bit for bit. From b = (-3, 3) it is
+    (q - 1, 1 - q), q = 1 / (1 + e^6), norm r = sqrt(2) (1 - q) = 1.41 > 1: scaled by 1 / (r + 1e-6),
+    as ``clip_grad_norm_``. Alone, each client's step is the same."""
+    from raysim import testing
+
+    method, model = method_named("fedavg"), Logits()
+    starts = {0: torch.tensor([0.0, 0.0]), 1: torch.tensor([-3.0, 3.0])}
+    one = (torch.zeros(1, 1), torch.tensor([0]))
+
+    def start(k):
+        with torch.no_grad():
+            model.first.copy_(starts[k][:1])
+            model.second.copy_(starts[k][1:])
+        return testing.client_context(method, model, testing.fixed_batches(one), client_id=k,
+                                      train={"epochs": 1, "batch_size": 1, "lr": 1.0, "grad_clip": 1.0})
+    q = 1 / (1 + math.exp(6))
+    r = math.sqrt(2) * (1 - q)
+    below, above = torch.tensor([0.5, -0.5]), torch.tensor([-3 + (1 - q) / (r + 1e-6), 3 - (1 - q) / (r + 1e-6)])
+    together = {}
+    run_cohort(method, model, [CohortClient(lambda k=k: start(k)) for k in (0, 1)],
+               lambda ctx, up, macs: together.update({ctx.client_id: model.logits()}))
+    assert torch.equal(together[0], below)
+    assert torch.allclose(together[1], above, rtol=1e-6, atol=0)
+    for k, expected in ((0, below), (1, above)):
+        method.local_update(start(k))
+        assert torch.allclose(model.logits(), expected, rtol=1e-6, atol=0)
 
 
 def test_bn_running_statistics_are_each_clients_own():
