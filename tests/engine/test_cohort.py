@@ -159,6 +159,17 @@ def test_cohorts_of_1_3_8_train_every_client_as_alone(name, make_model):
         print(f"{name} {make_model.__name__} K={K}: max relative difference {worst:.2e}")
 
 
+
+def test_fedwon_at_its_own_learning_rate_trains_every_client_as_alone():
+    """FedWon's hp.lr (its step at lr * hp.lr / train.lr, ``LocalLoss.lr`` in a cohort) set to 0.03,
+    train.lr 0.1; batch 4 keeps AGC off ("auto"), so its clients train in cohorts."""
+    method, train = method_named("fedwon", lr=0.03), train_cfg()
+    ref = per_client(method, mlp, train)
+    compare(ref, in_cohorts(method, mlp, train, 3))
+    at_train_lr = per_client(method_named("fedwon"), mlp, train)
+    assert rel(ref[3][0]["1.weight"], at_train_lr[3][0]["1.weight"]) > 1e-3  # hp.lr is not vacuous here
+
+
 def test_max_steps_plain_sgd_and_no_clipping():
     method = method_named("fedavg")
     train = train_cfg(momentum=0.0, weight_decay=0.0, grad_clip=None, max_steps=4, epochs=3)
