@@ -170,6 +170,27 @@ def test_fedwon_at_its_own_learning_rate_trains_every_client_as_alone():
     assert rel(ref[3][0]["1.weight"], at_train_lr[3][0]["1.weight"]) > 1e-3  # hp.lr is not vacuous here
 
 
+
+def frozen_head_mlp():
+    """The mlp with its classifier frozen (requires_grad False): the gradient passes through it to
+    the first layer, and SGD leaves it where it started."""
+    model = mlp()
+    model[3].requires_grad_(False)
+    return model
+
+
+def test_a_frozen_layer_trains_every_client_as_alone():
+    method, train = method_named("fedavg"), train_cfg()
+    ref = per_client(method, frozen_head_mlp, train)
+    got = in_cohorts(method, frozen_head_mlp, train, 3)
+    compare(ref, got)
+    _, starts, _ = federation(frozen_head_mlp)
+    for k, ((sd_r, _, _), (sd_g, _, _)) in enumerate(zip(ref, got)):
+        for n in ("3.weight", "3.bias"):
+            assert torch.equal(sd_r[n], starts[k][n]) and torch.equal(sd_g[n], starts[k][n])
+        assert not torch.equal(sd_g["1.weight"], starts[k]["1.weight"])  # the layer before it trained
+
+
 def test_max_steps_plain_sgd_and_no_clipping():
     method = method_named("fedavg")
     train = train_cfg(momentum=0.0, weight_decay=0.0, grad_clip=None, max_steps=4, epochs=3)
