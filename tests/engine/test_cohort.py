@@ -191,6 +191,36 @@ def test_a_frozen_layer_trains_every_client_as_alone():
         assert not torch.equal(sd_g["1.weight"], starts[k]["1.weight"])  # the layer before it trained
 
 
+
+class UnusedParameter(nn.Module):
+    """The mlp and a trainable parameter its forward never reads: alone, its ``.grad`` stays
+    None, so ``torch.optim.SGD`` skips it (no weight decay, no momentum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.spare = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox"])
+def test_a_parameter_the_loss_never_reaches_trains_as_alone(name):
+    """fedavg: the spare parameter stays exactly where it started, in a cohort as alone (it gets
+    no weight decay, no momentum). fedprox: its proximal term reaches it (a zero gradient, not
+    None), so weight decay moves it, alone as in a cohort."""
+    method, train = method_named(name, **({"mu": 0.5} if name == "fedprox" else {})), train_cfg()
+    ref = per_client(method, UnusedParameter, train)
+    got = in_cohorts(method, UnusedParameter, train, 3)
+    compare(ref, got)
+    _, starts, _ = federation(UnusedParameter)
+    for k, ((sd_r, _, _), (sd_g, _, _)) in enumerate(zip(ref, got)):
+        assert torch.equal(sd_r["spare"], starts[k]["spare"]) == (name == "fedavg")
+        if name == "fedavg":
+            assert torch.equal(sd_g["spare"], starts[k]["spare"])
+
+
 def test_max_steps_plain_sgd_and_no_clipping():
     method = method_named("fedavg")
     train = train_cfg(momentum=0.0, weight_decay=0.0, grad_clip=None, max_steps=4, epochs=3)
