@@ -16,6 +16,12 @@ together, each exactly as ``local_update`` would alone:
   (first step: the buffer is the gradient), at its own learning rate;
 * its own gradient-norm clipping (train.grad_clip over all its parameters, as
   ``nn.utils.clip_grad_norm_``);
+* its trainable parameters that its loss never reaches left where they are: alone their
+  ``.grad`` stays None and ``torch.optim.SGD`` skips them (no weight decay, no momentum), where
+  ``vmap`` would hand them a gradient of zeros. Which ones is found once, from the first client's
+  loss on its first batch outside ``vmap``, and kept for the model while the loss, its tensors'
+  structure and the trainable parameters stay the same (a ``LocalLoss`` is a pure function of its
+  arguments);
 * its own dropout masks, drawn outside ``vmap`` from its own keyed generator in the order its
   forward would draw them alone (:mod:`raysim.models.dropout`), and passed in;
 * its own compute for the simulated clock: the multiply-accumulates a :class:`ComputeMeter` would
@@ -25,10 +31,12 @@ together, each exactly as ``local_update`` would alone:
 Floating-point results equal the per-client path's within rounding (batched kernels sum in
 another order): ``tests/engine/test_cohort.py`` holds them to 1e-5 relative.
 Not supported (refused): BN with ``momentum=None`` (a cumulative average), a loss whose forward
-count varies, random operations other than :class:`~raysim.models.dropout.KeyedDropout`.
+count varies, random operations other than :class:`~raysim.models.dropout.KeyedDropout`. Not
+supported (not detected): a loss that reaches some parameter at some steps only.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,6 +131,28 @@ def _probe(model: nn.Module, x: torch.Tensor) -> tuple[list[_Layer], list[tuple[
     return layers, drops
 
 
+# model -> ((loss, its tensors' structure, trainable parameter names), the names its loss never reaches)
+_UNREACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unreached(one: Callable, p: dict, fz: dict, b: dict, batch, tensors, masks) -> frozenset[str]:
+    """The trainable parameters (``p``'s names) that the first client's loss on its batch does
+    not reach (no gradient, not a zero one), computed outside ``vmap`` on its own tensors (its
+    buffers copied: BN's running statistics are updated once, by the step itself)."""
+    def first(v):
+        return v[0]
+    mine = {n: v[0].detach().clone().requires_grad_() for n, v in p.items()}
+    if not mine:
+        return frozenset()
+    with torch.enable_grad():
+        loss = one(mine, tree_map(first, fz), {n: v[0].clone() for n, v in b.items()}, tree_map(first, batch),
+                   tree_map(first, tensors), tree_map(first, masks))
+        if not loss.requires_grad:
+            return frozenset(mine)
+        grads = torch.autograd.grad(loss, list(mine.values()), allow_unused=True)
+    return frozenset(n for n, g in zip(mine, grads) if g is None)
+
+
 def _refuse_unsupported(model: nn.Module) -> None:
     for n, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.momentum is None:
@@ -147,11 +177,22 @@ def train_cohort(model: nn.Module, members: list[Member], meter: bool = False) -
     spec_tree = tree_structure(spec0.tensors)
     if any(tree_structure(m.spec.tensors) != spec_tree for m in members):
         raise ValueError("client cohorts: every client's LocalLoss.tensors must have the same structure")
+    reach_key = (spec0.loss, spec_tree, tuple(trainable))
+    known = _UNREACHED.get(model)
+    unreached = known[1] if known is not None and known[0] == reach_key else None
     T = tree_map(lambda *xs: torch.stack(xs), *[m.spec.tensors for m in members])
     lrs = [m.ctx.lr if m.spec.lr is None else m.spec.lr for m in members]
     lr_vec = None if len(set(lrs)) == 1 else torch.tensor(lrs, dtype=torch.float32, device=device)
     mom, wd, clip = t.momentum, t.weight_decay, t.grad_clip
     M = {n: torch.zeros_like(v) for n, v in P.items()} if mom else {}
+
+    def leave_alone(names):
+        """Parameters no loss reaches train as frozen ones: not differentiated, never stepped."""
+        for n in names:
+            Fz[n] = P.pop(n)
+            M.pop(n, None)
+    if unreached:
+        leave_alone(unreached)
     sums = torch.zeros(K, dtype=torch.float64, device=device)
     macs = torch.zeros(K, dtype=torch.float64, device=device) if meter else None
     loss_fn = spec0.loss
@@ -198,6 +239,12 @@ def train_cohort(model: nn.Module, members: list[Member], meter: bool = False) -
             batch = tuple(torch.stack([batches[k][i] for k in idx]) for i in range(len(shape)))
             bsz = shape[0][0]
             masks = _draw_masks([members[k] for k in idx], drops, bsz)
+            if unreached is None:  # the first step's first group: which parameters the loss reaches
+                unreached = _unreached(one, p, fz, b, batch, tens, masks)
+                _UNREACHED[model] = (reach_key, unreached)
+                leave_alone(unreached)
+                for n in unreached:
+                    fz[n] = p.pop(n)
             if meter:  # the passes' MACs at each client's weights before the step (ComputeMeter's)
                 w = {**p, **fz}
                 inc = sum(torch.count_nonzero(w[L.weight].flatten(1), dim=1).to(torch.float64) * (L.rows * bsz)

@@ -5,6 +5,7 @@ leaves it: its weights and buffers (BN running statistics), its upload, its loss
 multiply-accumulates the simulated clock charges it, within 1e-5 relative. The clients have
 unequal data sizes (so some stop before others, and some batches are short), gradient clipping,
 momentum and weight decay, and start from different weights."""
+import math
 import sys
 from types import SimpleNamespace
 
@@ -158,6 +159,68 @@ def test_cohorts_of_1_3_8_train_every_client_as_alone(name, make_model):
         print(f"{name} {make_model.__name__} K={K}: max relative difference {worst:.2e}")
 
 
+
+def test_fedwon_at_its_own_learning_rate_trains_every_client_as_alone():
+    """FedWon's hp.lr (its step at lr * hp.lr / train.lr, ``LocalLoss.lr`` in a cohort) set to 0.03,
+    train.lr 0.1; batch 4 keeps AGC off ("auto"), so its clients train in cohorts."""
+    method, train = method_named("fedwon", lr=0.03), train_cfg()
+    ref = per_client(method, mlp, train)
+    compare(ref, in_cohorts(method, mlp, train, 3))
+    at_train_lr = per_client(method_named("fedwon"), mlp, train)
+    assert rel(ref[3][0]["1.weight"], at_train_lr[3][0]["1.weight"]) > 1e-3  # hp.lr is not vacuous here
+
+
+
+def frozen_head_mlp():
+    """The mlp with its classifier frozen (requires_grad False): the gradient passes through it to
+    the first layer, and SGD leaves it where it started."""
+    model = mlp()
+    model[3].requires_grad_(False)
+    return model
+
+
+def test_a_frozen_layer_trains_every_client_as_alone():
+    method, train = method_named("fedavg"), train_cfg()
+    ref = per_client(method, frozen_head_mlp, train)
+    got = in_cohorts(method, frozen_head_mlp, train, 3)
+    compare(ref, got)
+    _, starts, _ = federation(frozen_head_mlp)
+    for k, ((sd_r, _, _), (sd_g, _, _)) in enumerate(zip(ref, got)):
+        for n in ("3.weight", "3.bias"):
+            assert torch.equal(sd_r[n], starts[k][n]) and torch.equal(sd_g[n], starts[k][n])
+        assert not torch.equal(sd_g["1.weight"], starts[k]["1.weight"])  # the layer before it trained
+
+
+
+class UnusedParameter(nn.Module):
+    """The mlp and a trainable parameter its forward never reads: alone, its ``.grad`` stays
+    None, so ``torch.optim.SGD`` skips it (no weight decay, no momentum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.spare = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox"])
+def test_a_parameter_the_loss_never_reaches_trains_as_alone(name):
+    """fedavg: the spare parameter stays exactly where it started, in a cohort as alone (it gets
+    no weight decay, no momentum). fedprox: its proximal term reaches it (a zero gradient, not
+    None), so weight decay moves it, alone as in a cohort."""
+    method, train = method_named(name, **({"mu": 0.5} if name == "fedprox" else {})), train_cfg()
+    ref = per_client(method, UnusedParameter, train)
+    got = in_cohorts(method, UnusedParameter, train, 3)
+    compare(ref, got)
+    _, starts, _ = federation(UnusedParameter)
+    for k, ((sd_r, _, _), (sd_g, _, _)) in enumerate(zip(ref, got)):
+        assert torch.equal(sd_r["spare"], starts[k]["spare"]) == (name == "fedavg")
+        if name == "fedavg":
+            assert torch.equal(sd_g["spare"], starts[k]["spare"])
+
+
 def test_max_steps_plain_sgd_and_no_clipping():
     method = method_named("fedavg")
     train = train_cfg(momentum=0.0, weight_decay=0.0, grad_clip=None, max_steps=4, epochs=3)
@@ -172,6 +235,53 @@ def test_clipping_and_momentum_matter_here():
     a = per_client(method, mlp, train_cfg())
     b = per_client(method, mlp, train_cfg(grad_clip=None))
     assert rel(a[3][0]["1.weight"], b[3][0]["1.weight"]) > 1e-3
+
+
+
+class Logits(nn.Module):
+    """Two logits that are two parameters, whatever the input: a step's gradient by hand (two
+    tensors, so the gradient's norm is over both, as ``clip_grad_norm_``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return torch.cat([self.first, self.second]).expand(len(x), 2)
+
+    def logits(self):
+        return torch.cat([self.first, self.second]).detach().clone()
+
+
+def test_each_clients_clip_coefficient_is_capped_at_one():
+    """One plain SGD step (lr 1, train.grad_clip 1) on one class-0 example, two clients in one
+    cohort. From b = (0, 0) the gradient softmax - onehot is (-1/2, 1/2), norm 0.71 < 1: the
+    coefficient is exactly 1 (not 1 / 0.71), b = (1/2, -1/2) bit for bit. From b = (-3, 3) it is
+    (q - 1, 1 - q), q = 1 / (1 + e^6), norm r = sqrt(2) (1 - q) = 1.41 > 1: scaled by 1 / (r + 1e-6),
+    as ``clip_grad_norm_``. Alone, each client's step is the same."""
+    from raysim import testing
+
+    method, model = method_named("fedavg"), Logits()
+    starts = {0: torch.tensor([0.0, 0.0]), 1: torch.tensor([-3.0, 3.0])}
+    one = (torch.zeros(1, 1), torch.tensor([0]))
+
+    def start(k):
+        with torch.no_grad():
+            model.first.copy_(starts[k][:1])
+            model.second.copy_(starts[k][1:])
+        return testing.client_context(method, model, testing.fixed_batches(one), client_id=k,
+                                      train={"epochs": 1, "batch_size": 1, "lr": 1.0, "grad_clip": 1.0})
+    q = 1 / (1 + math.exp(6))
+    r = math.sqrt(2) * (1 - q)
+    below, above = torch.tensor([0.5, -0.5]), torch.tensor([-3 + (1 - q) / (r + 1e-6), 3 - (1 - q) / (r + 1e-6)])
+    together = {}
+    run_cohort(method, model, [CohortClient(lambda k=k: start(k)) for k in (0, 1)],
+               lambda ctx, up, macs: together.update({ctx.client_id: model.logits()}))
+    assert torch.equal(together[0], below)
+    assert torch.allclose(together[1], above, rtol=1e-6, atol=0)
+    for k, expected in ((0, below), (1, above)):
+        method.local_update(start(k))
+        assert torch.allclose(model.logits(), expected, rtol=1e-6, atol=0)
 
 
 def test_bn_running_statistics_are_each_clients_own():

@@ -213,3 +213,44 @@ def test_a_select_that_returns_an_offline_or_repeated_client_is_a_one_line_error
         testing.run_rounds("select_twice", tmp_path / "twice", "rounds=1")
     with pytest.raises(UserError, match=r"^method select_offline: select chose client 5, not online in round 1$"):
         testing.run_rounds("select_offline", tmp_path / "offline", "rounds=1")
+
+
+# ----------------------------------------------------------------------------- rpow-d's uploaded loss
+
+class Logits(torch.nn.Module):
+    """Two logits that are the parameter itself, whatever the input: each step's loss by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return self.b.expand(len(x), 2)
+
+
+def test_rpow_d_uploads_the_mean_of_its_batch_losses_over_several_steps():
+    """Plain SGD at lr 1 on batches of one class-0 example, the logits b starting at (0, 0):
+    losses ln 2, then ln(1 + 1/e) at b = (1/2, -1/2), then ln(1 + e^-(1 + 2s)) at
+    b = (1/2 + s, -1/2 - s), s = 1 / (1 + e). A client of 3 batches uploads their mean, one of 1
+    batch ln 2, alone and in a client cohort (two clients, one stopping after its first step)."""
+    from raysim.engine.cohort import CohortClient, run_cohort
+
+    s = 1 / (1 + math.e)
+    three = [math.log(2), math.log(1 + 1 / math.e), math.log(1 + math.exp(-(1 + 2 * s)))]
+    expected = {0: sum(three) / 3, 1: math.log(2)}  # the sums would be 1.38 and 0.69
+    method = poc(variant="rpow-d")
+    model = Logits()
+    one = (torch.zeros(1, 1), torch.tensor([0]))
+    data = {0: testing.fixed_batches(one, one, one), 1: testing.fixed_batches(one)}
+
+    def start(k):
+        with torch.no_grad():
+            model.b.zero_()
+        return testing.client_context(method, model, data[k], client_id=k,
+                                      train={"epochs": 1, "batch_size": 1, "lr": 1.0})
+    alone = {k: method.local_update(start(k)).extras["loss"] for k in (0, 1)}
+    assert alone == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
+    together = {}
+    run_cohort(method, model, [CohortClient(lambda k=k: start(k)) for k in (0, 1)],
+               lambda ctx, up, macs: together.update({ctx.client_id: up.extras["loss"]}))
+    assert together == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
