@@ -7,7 +7,10 @@ Effects of Non-Identical Data Distribution for Federated Visual Classification",
 
 Each variant is FedAvg with ``server.optimizer`` set (``fedadam`` runs exactly as ``fedavg`` with
 ``server.optimizer=adam``); the step's equations and the defaults of ``server.lr``, ``betas``,
-``momentum`` and ``tau`` are in :mod:`raysim.core.server_optimizers` and ``raysim.config.ServerConfig``.
+``momentum``, ``tau`` and ``form`` are in :mod:`raysim.core.server_optimizers` (defined once) and
+``raysim.config.ServerConfig``. By the defaults rule the step is the form Reddi et al.'s η was tuned
+with (``server.form: code``: Keras Adam, TF Addons Yogi, Keras Adagrad); ``server.form: paper`` is
+Alg. 2 as printed.
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ class FedAvgM(FedAvg):
 
 class FedAdagrad(FedAvg):
     """FedAvg with Adagrad on the server (Reddi et al. 2021, Alg. 2): v = v + Δ²,
-    x = x + η m / (√v + τ).
+    x = x + η m / (√v + τ); m = Δ (Keras Adagrad: no first moment) unless server.form=paper.
 
-    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau."""
+    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau, server.form."""
     name = "fedadagrad"
     paper = "Reddi et al., ICLR 2021: FedAvg with server.optimizer=adagrad"
     shares = "shares the whole model; keeps nothing (server: Adagrad on the mean update)"
@@ -38,9 +41,9 @@ class FedAdagrad(FedAvg):
 
 class FedAdam(FedAvg):
     """FedAvg with Adam on the server (Reddi et al. 2021, Alg. 2): v = β2 v + (1 − β2) Δ²,
-    x = x + η m / (√v + τ), no bias correction.
+    x = x + η c_t m / (√v + τ), bias-corrected from v = 0 (Keras Adam) unless server.form=paper.
 
-    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau."""
+    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau, server.form."""
     name = "fedadam"
     paper = "Reddi et al., ICLR 2021: FedAvg with server.optimizer=adam"
     shares = "shares the whole model; keeps nothing (server: Adam on the mean update)"
@@ -49,9 +52,9 @@ class FedAdam(FedAvg):
 
 class FedYogi(FedAvg):
     """FedAvg with Yogi on the server (Reddi et al. 2021, Alg. 2): v = v − (1 − β2) Δ² sign(v − Δ²),
-    x = x + η m / (√v + τ).
+    x = x + η c_t m / (√v + τ), bias-corrected from v = 0 (TF Addons Yogi) unless server.form=paper.
 
-    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau."""
+    Its settings are the config's ``server`` section: server.lr, server.betas, server.tau, server.form."""
     name = "fedyogi"
     paper = "Reddi et al., ICLR 2021: FedAvg with server.optimizer=yogi"
     shares = "shares the whole model; keeps nothing (server: Yogi on the mean update)"

@@ -19,7 +19,7 @@ import yaml
 from raysim.core.errors import UserError
 from raysim.core.files import write_yaml
 from raysim.core.partition_spec import partition_spec
-from raysim.core.server_optimizers import OPTIMIZERS as SERVER_OPTIMIZERS
+from raysim.core import server_optimizers as serveropt
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
@@ -181,20 +181,27 @@ class ServerConfig:
     (a method with its own ``aggregate`` refuses any other step); FedAvgM, FedAdam, FedYogi and
     FedAdagrad are FedAvg with momentum, adam, yogi and adagrad here."""
     # sgd | momentum | adam | yogi | adagrad; null: the method's own (sgd, FedAdam's adam, ...)
-    optimizer: str | None = setting(None, one_of=SERVER_OPTIMIZERS,
+    optimizer: str | None = setting(None, one_of=serveropt.OPTIMIZERS,
                                     source="null: the method's (sgd for all but FedAvgM/FedAdam/FedYogi/FedAdagrad)")
     # η; null: the optimizer's (sgd 1, momentum 1, adagrad 0.1, adam 0.01, yogi 0.01)
     lr: float | None = setting(None, gt=0, source="Reddi et al. 2021: grid 10^-3..10^1, best per task in their code's "
                                "docs/hyperparameters.md: FedAvg/FedAvgM 1, FedAdagrad 0.1, FedAdam/FedYogi 0.01")
     # β of momentum (FedAvgM): v = β v + Δ, x = x + lr v
-    momentum: float = setting(0.9, ge=0, lt=1, expected="0 <= momentum < 1",
+    momentum: float = setting(serveropt.DEFAULT_MOMENTUM, ge=0, lt=1, expected="0 <= momentum < 1",
                               source="Hsu et al. 2019; Reddi et al. 2021's FedAvgM (server_sgd_momentum=0.9)")
-    # β1, β2 of adam, yogi (β1 also adagrad's first moment, Alg. 2 line 11)
-    betas: tuple[float, ...] = setting((0.9, 0.99), ge=0, lt=1, expected="two numbers in [0, 1)",
+    # β1, β2 of adam, yogi (β1 also adagrad's first moment in the paper form, Alg. 2 line 11)
+    betas: tuple[float, ...] = setting(serveropt.DEFAULT_BETAS, ge=0, lt=1, expected="two numbers in [0, 1)",
                                        source="Reddi et al. 2021 FedAdam/FedYogi β1 = 0.9, β2 = 0.99 (as Flower's "
                                        "FedAdam/FedYogi from arXiv v5; their code's docs: Keras's β2 = 0.999 ran)")
-    # τ, the adaptivity: x = x + lr m / (sqrt(v) + τ); v starts at τ² (Alg. 2: v_-1 >= τ²)
-    tau: float = setting(1e-3, gt=0, source="Reddi et al. 2021: τ = 1e-3, their code's recommended ε (docs/hyperparameters.md)")
+    # τ, the adaptivity: x = x + lr c_t m / (sqrt(v) + τ)
+    tau: float = setting(serveropt.DEFAULT_TAU, gt=0,
+                         source="Reddi et al. 2021: τ = 1e-3, their code's recommended ε (docs/hyperparameters.md)")
+    # code: the form lr was tuned with (Adam, Yogi bias-corrected from v = 0; Adagrad without a first
+    # moment); paper: Alg. 2 as printed (no bias correction, v from τ², β1 for all three)
+    form: str = setting(serveropt.DEFAULT_FORM, one_of=serveropt.FORMS,
+                        source="by the defaults rule: Reddi et al.'s code (Keras Adam/Adagrad, TF Addons Yogi, "
+                        "ε = τ) tuned the grid's lr; paper: Alg. 2",
+                        doc="code: Adam/Yogi bias-corrected from v = 0, Adagrad without m | paper: Alg. 2 as printed")
 
 
 @dataclass

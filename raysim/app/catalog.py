@@ -146,6 +146,19 @@ def hparam_rows(cls) -> list[list[str]]:
     return rows
 
 
+def server_step_table(cls) -> str:
+    """The ``server`` settings a FedOpt variant runs with at their defaults, and where each comes
+    from (``raysim.config.ServerConfig``): its η, and which form of the step (``server.form``)."""
+    from raysim.config import ServerConfig
+    from raysim.core.server_optimizers import resolve
+
+    opt = resolve(None, cls.server_optimizer, cls.name)
+    used = {"lr"} | ({"momentum"} if opt.name == "momentum" else {"betas", "tau", "form"})
+    rows = [[f.name, _num(getattr(opt, f.name)), default_source(f) or "–", field_doc(f)]
+            for f in dataclasses.fields(ServerConfig) if f.name in used]
+    return markdown_table(["name", "default", "default from", "note"], rows)
+
+
 def method_markdown(name: str) -> str:
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
@@ -167,6 +180,8 @@ def method_markdown(name: str) -> str:
         out += [markdown_table(["name", "type", "default", "default from", "allowed", "search space", "note"], rows), ""]
     else:
         out += ["(none)", ""]
+    if cls.server_optimizer != "sgd":
+        out += [f"## Server step (`server.<name>`: {cls.server_optimizer})", "", server_step_table(cls), ""]
     cfgs = configs_by_method().get(name, [])
     out += ["## Configs", ""] + ([f"- {c}" for c in cfgs] if cfgs else ["(none under configs/)"])
     return "\n".join(out) + "\n"

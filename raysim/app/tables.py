@@ -198,18 +198,19 @@ def _changed_hparams(cls, hp) -> list[str]:
 
 def _server_line(cls, server, key: str) -> tuple[str, str]:
     """(the server optimizer and its settings, what the config changed of the method's own: "" if nothing)."""
-    from raysim.core.server_optimizers import DEFAULT_LR, resolve
+    from raysim.core.server_optimizers import ADAPTIVE, DEFAULT_FORM, DEFAULT_LR, resolve
     opt, own = resolve(server, cls.server_optimizer, key), resolve(None, cls.server_optimizer, key)
     settings = [f"lr {value_text(opt.lr)}"]
     if opt.name == "momentum":
         settings.append(f"momentum {value_text(opt.momentum)}")
     if opt.name in ("adam", "yogi", "adagrad"):
-        settings += [f"betas {value_text(opt.betas)}", f"tau {value_text(opt.tau)}"]
+        settings += [f"betas {value_text(opt.betas)}", f"tau {value_text(opt.tau)}", f"form {opt.form}"]
     line = f"{opt.name} ({', '.join(settings)})" + (": the plain mean" if opt.plain_mean else "")
     if opt == own:
         return line + " (the method's own)", ""
     line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
-    return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else []))
+    return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else [])
+                          + ([f"form {opt.form}"] if opt.name in ADAPTIVE and opt.form != DEFAULT_FORM else []))
 
 
 # ----------------------------------------------------------------------------- what a run shares

@@ -14,18 +14,28 @@ and the server takes one optimizer step along it::
     adagrad   m_t = β1 m_{t−1} + (1 − β1) Δ_t;  v_t = v_{t−1} + Δ_t²                  (Alg. 2 l. 11, 12)
     yogi      m_t as above;  v_t = v_{t−1} − (1 − β2) Δ_t² sign(v_{t−1} − Δ_t²)        (l. 13)
     adam      m_t as above;  v_t = β2 v_{t−1} + (1 − β2) Δ_t²                          (l. 14)
-              x_{t+1} = x_t + η m_t / (√v_t + τ)                                      (l. 15)
+              x_{t+1} = x_t + η c_t m_t / (√v_t + τ)                                  (l. 15)
 
-with m_{−1} = 0 and v_{−1} = τ² (Alg. 2 line 1 asks v_{−1} ≥ τ²; τ² is its least value), and no
-bias correction (Alg. 2 has none). FedAvgM's form is Hsu et al.'s ``v ← βv + Δw; w ← w − v`` (their
-Δw is our −Δ) with a server learning rate η in front of v, as Reddi et al.'s FedAvgM baseline
-(SGD with momentum on the server): η = 1 is Hsu et al.'s exact form.
+in one of two forms (``server.form``):
+
+- ``code`` (the default): the form the η of Reddi et al.'s grid was tuned with, their released
+  code (google-research/federated) running Keras's optimizers with ε = τ. Adam and Yogi (Keras
+  Adam; the Yogi of TF Addons) are bias-corrected, c_t = √(1 − β2^t) / (1 − β1^t) at step
+  t = 1, 2, ..., and start from v_{−1} = 0; Adagrad (Keras Adagrad) has no first moment (β1 = 0:
+  m_t = Δ_t), c_t = 1, and v_{−1} = τ² (Keras's own initial accumulator is a constructor argument;
+  we keep Alg. 2's least value).
+- ``paper``: Alg. 2 as printed: c_t = 1 (no bias correction), β1 for all three, v_{−1} = τ² (line 1
+  asks v_{−1} ≥ τ²; τ² is its least value).
+
+m_{−1} = 0 in both. FedAvgM's form is Hsu et al.'s ``v ← βv + Δw; w ← w − v`` (their Δw is our −Δ)
+with a server learning rate η in front of v, as Reddi et al.'s FedAvgM baseline (SGD with momentum
+on the server): η = 1 is Hsu et al.'s exact form.
 
 Only floating-point tensors take the step; a norm layer's running statistics (``running_mean``,
 ``running_var``) are estimates, not parameters, and take the plain mean, as do integer buffers
 (``num_batches_tracked``: the optimizer never touches them). Everything here is a pure function of
-its arguments; the state is a plain dict of dicts of tensors, so it rides in the server's state and
-its checkpoints (``torch.load(weights_only=True)``).
+its arguments; the state is a plain dict of dicts of tensors (and the step count), so it rides in
+the server's state and its checkpoints (``torch.load(weights_only=True)``).
 """
 from __future__ import annotations
 
@@ -38,12 +48,20 @@ from raysim.core.tensors import Tensors
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "yogi", "adagrad")
 ADAPTIVE = ("adam", "yogi", "adagrad")
+FORMS = ("code", "paper")  # the form η was tuned with (bias-corrected, v from 0) | Alg. 2 as printed
+
+# Every server default, defined once (raysim.config.ServerConfig and ServerOptimizer take theirs
+# from here; tests/methods/test_defaults.py pins them).
 # η when ``server.lr`` is not given: Reddi et al.'s grid of server learning rates (10^-3 .. 10^1 in
 # half decades) and the best values its released code lists per task (google-research/federated,
 # optimization/docs/hyperparameters.md): FedAvg and FedAvgM 10^0 (FedAvgM's best on 4 of 6 tasks),
 # FedAdagrad 10^-1 (median of its 6 tasks; EMNIST-CR's best), FedAdam and FedYogi 10^-2 (best on
 # Shakespeare and Stack Overflow NWP; the median of the 6 is 10^-1.75, EMNIST-CR's 10^-2.5)
 DEFAULT_LR = {"sgd": 1.0, "momentum": 1.0, "adagrad": 1e-1, "adam": 1e-2, "yogi": 1e-2}
+DEFAULT_MOMENTUM = 0.9  # β of FedAvgM: Hsu et al. 2019; Reddi et al.'s FedAvgM (server_sgd_momentum=0.9)
+DEFAULT_BETAS = (0.9, 0.99)  # β1, β2: Reddi et al. 2021 FedAdam/FedYogi (Flower's FedAdam/FedYogi agree)
+DEFAULT_TAU = 1e-3  # τ: Reddi et al. 2021, their code's recommended ε (docs/hyperparameters.md)
+DEFAULT_FORM = "code"  # by the defaults rule: the form the grid's η was tuned with
 STATE_KEY = "server_optimizer"  # where the optimizer's state lives in the server's state
 
 
@@ -56,23 +74,43 @@ def running_statistic(key: str) -> bool:
 class ServerOptimizer:
     """One server optimizer with its settings; ``init`` and ``step`` are pure (FedJAX style)."""
     name: str = "sgd"
-    lr: float = 1.0  # η
-    momentum: float = 0.9  # β of "momentum"
-    betas: tuple[float, float] = (0.9, 0.99)  # β1, β2 of the adaptive optimizers
-    tau: float = 1e-3  # τ, the adaptivity (Adam's ε)
+    lr: float = DEFAULT_LR["sgd"]  # η
+    momentum: float = DEFAULT_MOMENTUM  # β of "momentum"
+    betas: tuple[float, float] = DEFAULT_BETAS  # β1, β2 of the adaptive optimizers
+    tau: float = DEFAULT_TAU  # τ, the adaptivity (Adam's ε)
+    form: str = DEFAULT_FORM  # "code" | "paper" (module docstring)
 
     @property
     def plain_mean(self) -> bool:
         """SGD with η = 1: the new global model is the round's mean, FedAvg (the optimizer is skipped)."""
         return self.name == "sgd" and self.lr == 1.0
 
+    @property
+    def bias_corrected(self) -> bool:
+        """Keras Adam's and TF Addons Yogi's step (``code`` form): c_t and v_{−1} = 0."""
+        return self.form == "code" and self.name in ("adam", "yogi")
+
+    @property
+    def beta1(self) -> float:
+        """β1 of m_t: Keras Adagrad has no first moment (``code`` form), Alg. 2's has."""
+        return 0.0 if self.form == "code" and self.name == "adagrad" else self.betas[0]
+
+    def correction(self, t: int) -> float:
+        """c_t of step t (1, 2, ...): √(1 − β2^t) / (1 − β1^t) when bias-corrected, else 1."""
+        if not self.bias_corrected:
+            return 1.0
+        b1, b2 = self.betas
+        return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
+
     def init(self, params: Tensors) -> dict:
-        """The state before the first step: m_{−1} = 0, v_{−1} = τ² (momentum: v_{−1} = 0)."""
+        """The state before the first step: m_{−1} = 0, v_{−1} = 0 bias-corrected, else τ²
+        (momentum: v_{−1} = 0); no step taken yet."""
         if self.name == "momentum":
             return {"velocity": {k: torch.zeros_like(p) for k, p in params.items()}}
         if self.name in ADAPTIVE:
+            v0 = 0.0 if self.bias_corrected else self.tau ** 2
             return {"m": {k: torch.zeros_like(p) for k, p in params.items()},
-                    "v": {k: torch.full_like(p, self.tau ** 2) for k, p in params.items()}}
+                    "v": {k: torch.full_like(p, v0) for k, p in params.items()}, "step": 0}
         return {}
 
     def step(self, params: Tensors, delta: Tensors, state: dict) -> tuple[Tensors, dict]:
@@ -83,7 +121,7 @@ class ServerOptimizer:
         if self.name == "momentum":
             velocity = {k: self.momentum * state["velocity"][k] + delta[k] for k in params}
             return {k: p + eta * velocity[k] for k, p in params.items()}, {"velocity": velocity}
-        b1, b2 = self.betas
+        b1, b2 = self.beta1, self.betas[1]
         m = {k: b1 * state["m"][k] + (1 - b1) * delta[k] for k in params}
         v = {}
         for k in params:
@@ -94,7 +132,9 @@ class ServerOptimizer:
                 v[k] = b2 * v_prev + (1 - b2) * d2
             else:  # yogi
                 v[k] = v_prev - (1 - b2) * d2 * torch.sign(v_prev - d2)
-        return {k: p + eta * m[k] / (v[k].sqrt() + self.tau) for k, p in params.items()}, {"m": m, "v": v}
+        t = state.get("step", 0) + 1  # a state saved before the step count existed: counted from there
+        scale = eta * self.correction(t)
+        return {k: p + scale * m[k] / (v[k].sqrt() + self.tau) for k, p in params.items()}, {"m": m, "v": v, "step": t}
 
     def update(self, global_: Tensors, mean: Tensors, state: dict | None) -> tuple[Tensors, dict]:
         """The server's new global tensors and optimizer state (``state`` None before the first
@@ -120,11 +160,10 @@ def resolve(server, method_optimizer: str = "sgd", method: str = "", own_aggrega
                         f"run method fedavg with server.optimizer={chosen}")
     name = chosen or method_optimizer
     lr = getattr(server, "lr", None)
-    defaults = ServerOptimizer()
     opt = ServerOptimizer(name=name, lr=DEFAULT_LR[name] if lr is None else float(lr),
-                          momentum=getattr(server, "momentum", defaults.momentum),
-                          betas=tuple(getattr(server, "betas", defaults.betas)),
-                          tau=getattr(server, "tau", defaults.tau))
+                          momentum=getattr(server, "momentum", DEFAULT_MOMENTUM),
+                          betas=tuple(getattr(server, "betas", DEFAULT_BETAS)),
+                          tau=getattr(server, "tau", DEFAULT_TAU), form=getattr(server, "form", DEFAULT_FORM))
     if own_aggregate and not opt.plain_mean:
         raise UserError(f"method {method} has its own server step (aggregate): server.optimizer={name} "
                         f"with server.lr={opt.lr} applies only to methods that aggregate by the default mean")

@@ -1,6 +1,7 @@
 """The server optimizers (raysim.core.server_optimizers; Reddi et al. 2021 Alg. 2, Hsu et al. 2019)
-on tiny tensors computed by hand, the default aggregate that applies them, and their state in a
-checkpoint."""
+on tiny tensors computed by hand, in both forms (``code``: Keras Adam, TF Addons Yogi and Keras
+Adagrad, the reference forms their η was tuned with; ``paper``: Alg. 2 as printed), the default
+aggregate that applies them, and their state in a checkpoint."""
 import dataclasses
 import io
 
@@ -30,8 +31,8 @@ def given(m, v) -> dict:
     return {"m": {"w": torch.tensor(m, dtype=torch.float64)}, "v": {"w": torch.tensor(v, dtype=torch.float64)}}
 
 
-def opt(name: str) -> ServerOptimizer:
-    return ServerOptimizer(name=name, lr=0.1, momentum=0.5, betas=(0.5, 0.75), tau=0.5)
+def opt(name: str, form: str = "paper") -> ServerOptimizer:
+    return ServerOptimizer(name=name, lr=0.1, momentum=0.5, betas=(0.5, 0.75), tau=0.5, form=form)
 
 
 def test_sgd_steps_along_the_mean_update():
@@ -48,7 +49,7 @@ def test_momentum_accumulates_the_mean_update():
     assert new == pytest.approx([1.06, 1.92], abs=1e-12)
 
 
-def test_adam():
+def test_adam_alg2_literal():
     # m = [0.1, 0.2] -> m_t = [0.05 + 0.25, 0.1 − 0.5] = [0.3, −0.4]
     # v = [1.25, 0] -> v_t = β2 v + (1 − β2) Δ² = [0.9375 + 0.0625, 0 + 0.25] = [1, 0.25]
     # x = x + η m_t / (√v_t + τ) = [1 + 0.1·0.3/1.5, 2 − 0.1·0.4/1.0] = [1.02, 1.96]
@@ -76,16 +77,65 @@ def test_adagrad_sums_the_squared_updates():
     assert new == pytest.approx([1.024, 1.98], abs=1e-12)
 
 
-def test_state_starts_at_zero_moments_and_v_at_tau_squared():
+def test_paper_form_state_starts_at_zero_moments_and_v_at_tau_squared():
     p = {"w": X}
     assert ServerOptimizer("momentum").init(p)["velocity"]["w"].tolist() == [0.0, 0.0]
     for name in ("adam", "yogi", "adagrad"):
-        state = ServerOptimizer(name, tau=0.5).init(p)
+        state = ServerOptimizer(name, tau=0.5, form="paper").init(p)
         assert state["m"]["w"].tolist() == [0.0, 0.0]
         assert state["v"]["w"].tolist() == [0.25, 0.25]  # v_{−1} = τ² (Alg. 2: v_{−1} >= τ²)
     # first Adam step from it: m = [0.25, −0.5], v = 0.75·0.25 + 0.25·[0.25, 1] = [0.25, 0.4375]
     new, _ = one_step(opt("adam"), opt("adam").init(p))
     assert new == pytest.approx([1 + 0.1 * 0.25 / 1.0, 2 - 0.1 * 0.5 / (0.4375 ** 0.5 + 0.5)], abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- the code form (default)
+# Two steps, each with Δ = [0.5, −1] (the same x_t, mean), η = 0.1, β1 = 0.5, β2 = 0.75, τ = 0.5.
+# Bias correction c_t = √(1 − β2^t) / (1 − β1^t): c_1 = √0.25 / 0.5 = 1, c_2 = √0.4375 / 0.75.
+C2 = 0.4375 ** 0.5 / 0.75
+
+
+def two_steps(name: str) -> tuple[list[float], list[float], dict]:
+    o = opt(name, form="code")
+    first, state = one_step(o, o.init({"w": X}))
+    second, state = one_step(o, state)
+    return first, second, state
+
+
+def test_the_code_form_is_the_default():
+    assert ServerOptimizer("adam").form == "code" and resolve(None, "adam").form == "code"
+
+
+def test_keras_adam_is_bias_corrected_from_v_zero():
+    # step 1: m = 0.5 Δ = [0.25, −0.5], v = 0.25 Δ² = [0.0625, 0.25] (from v = 0), √v = [0.25, 0.5]
+    #   x = x + η c_1 m / (√v + τ) = [1 + 0.1·0.25/0.75, 2 − 0.1·0.5/1.0]
+    # step 2: m = [0.125 + 0.25, −0.25 − 0.5] = [0.375, −0.75];
+    #   v = 0.75 [0.0625, 0.25] + 0.25 [0.25, 1] = [0.109375, 0.4375]
+    first, second, state = two_steps("adam")
+    assert first == pytest.approx([1 + 0.1 * 0.25 / 0.75, 1.95], abs=1e-12)
+    assert state["v"]["w"].tolist() == pytest.approx([0.109375, 0.4375], abs=1e-12)
+    assert state["step"] == 2
+    assert second == pytest.approx([1 + 0.1 * C2 * 0.375 / (0.109375 ** 0.5 + 0.5),
+                                    2 - 0.1 * C2 * 0.75 / (0.4375 ** 0.5 + 0.5)], abs=1e-12)
+
+
+def test_tfa_yogi_is_bias_corrected_from_v_zero():
+    # step 1: v = 0 − 0.25 Δ² sign(0 − Δ²) = [0.0625, 0.25]: Adam's first step
+    # step 2: v − Δ² = [−0.1875, −0.75] < 0  ->  v = v + 0.25 Δ² = [0.125, 0.5]; m = [0.375, −0.75]
+    first, second, state = two_steps("yogi")
+    assert first == pytest.approx([1 + 0.1 * 0.25 / 0.75, 1.95], abs=1e-12)
+    assert state["v"]["w"].tolist() == pytest.approx([0.125, 0.5], abs=1e-12)
+    assert second == pytest.approx([1 + 0.1 * C2 * 0.375 / (0.125 ** 0.5 + 0.5),
+                                    2 - 0.1 * C2 * 0.75 / (0.5 ** 0.5 + 0.5)], abs=1e-12)
+
+
+def test_keras_adagrad_has_no_first_moment_and_no_bias_correction():
+    # Keras Adagrad: acc += g², x −= η g / (√acc + ε), g = −Δ; acc from τ² = 0.25
+    # step 1: v = [0.5, 1.25];  step 2: v = [0.75, 2.25], m = Δ both times (β1 = 0), c_t = 1
+    first, second, state = two_steps("adagrad")
+    assert first == pytest.approx([1 + 0.1 * 0.5 / (0.5 ** 0.5 + 0.5), 2 - 0.1 / (1.25 ** 0.5 + 0.5)], abs=1e-12)
+    assert state["m"]["w"].tolist() == pytest.approx([0.5, -1.0], abs=1e-12)
+    assert second == pytest.approx([1 + 0.1 * 0.5 / (0.75 ** 0.5 + 0.5), 2 - 0.1 / (1.5 + 0.5)], abs=1e-12)
 
 
 # ----------------------------------------------------------------------------- the default aggregate
@@ -103,7 +153,8 @@ def aggregate(server, state: dict, mean: dict, method=Method) -> dict:
 def test_running_statistics_take_the_mean_and_integer_buffers_are_left_to_it():
     glob = bn_state([1.0, 2.0], [0.0, 0.0], [1.0, 1.0], 4)
     mean = bn_state([1.5, 1.0], [0.3, -0.2], [0.8, 1.2], 6)
-    out = aggregate(ServerConfig(optimizer="adam", lr=0.1, betas=(0.5, 0.75), tau=0.5), {"global": glob}, mean)
+    out = aggregate(ServerConfig(optimizer="adam", lr=0.1, betas=(0.5, 0.75), tau=0.5, form="paper"),
+                    {"global": glob}, mean)
     new = out["global"]
     for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert torch.equal(new[k], mean[k]), k
@@ -190,6 +241,7 @@ def test_a_method_with_its_own_aggregate_refuses_a_server_optimizer():
     ({"betas": [0.9, 1.0]}, "server.betas"),
     ({"tau": 0}, "server.tau"),
     ({"lr": -1}, "server.lr"),
+    ({"form": "keras"}, "server.form"),
 ])
 def test_bad_server_settings_are_one_line_errors(raw, message):
     with pytest.raises(UserError, match=message):

@@ -162,3 +162,34 @@ def test_every_default_says_where_it_comes_from(method):
     assert [f.name for f in fields if not f.metadata.get("source", "").strip()] == []
     shown = {row[0]: row[3] for row in hparam_rows(registry.get(method))}  # raysim methods NAME's "default from"
     assert shown == {f.name: f.metadata["source"] for f in fields}
+
+
+# ----------------------------------------------------------------------------- the server's step
+# FedAvgM, FedAdagrad, FedAdam and FedYogi are FedAvg with a server optimizer: their defaults are
+# the `server:` section's (raysim.core.server_optimizers defines each once; ServerConfig takes them)
+SERVER_PINNED = {
+    "lr": {"sgd": 1.0, "momentum": 1.0, "adagrad": 0.1, "adam": 0.01, "yogi": 0.01},
+    "momentum": 0.9, "betas": (0.9, 0.99), "tau": 1e-3, "form": "code",
+}
+SERVER_OF = {"fedavg": "sgd", "fedavgm": "momentum", "fedadagrad": "adagrad", "fedadam": "adam", "fedyogi": "yogi"}
+
+
+@pytest.mark.parametrize("method", list(SERVER_OF))
+def test_server_defaults_are_the_pinned_ones(method):
+    from raysim.config import ServerConfig
+    from raysim.core.server_optimizers import resolve
+
+    for server in (None, ServerConfig()):  # no server section, or the section at its defaults
+        opt = resolve(server, registry.get(method).server_optimizer, method)
+        assert opt.name == SERVER_OF[method]
+        got = {"lr": opt.lr, "momentum": opt.momentum, "betas": opt.betas, "tau": opt.tau, "form": opt.form}
+        assert got == {**SERVER_PINNED, "lr": SERVER_PINNED["lr"][opt.name]}
+
+
+def test_every_server_default_says_where_it_comes_from():
+    from raysim.config import ServerConfig
+
+    fields = dataclasses.fields(ServerConfig)
+    assert [f.name for f in fields if not f.metadata.get("source", "").strip()] == []
+    assert {f.name: f.default for f in fields} == {"optimizer": None, "lr": None, **{
+        k: v for k, v in SERVER_PINNED.items() if k != "lr"}}

@@ -29,7 +29,7 @@ def test_fedadam_is_fedavg_with_server_optimizer_adam_and_resumes_with_its_state
     for name in ("metrics.parquet", "status.json"):
         os.remove(out / name)
     saved = torch.load(out / "checkpoints" / "round-000001" / "server.pt", weights_only=True)
-    assert set(saved["server_optimizer"]) == {"m", "v"}
+    assert set(saved["server_optimizer"]) == {"m", "v", "step"} and saved["server_optimizer"]["step"] == 1
     federation(resume_config(str(out), []), str(out), progress=False, backend=InProcess()).run(resume=True)
     assert pq.read_table(out / "metrics.parquet").to_pandas().equals(fedavg_adam)
 
