@@ -221,21 +221,24 @@ class Worker:
 
     def __init__(self, mode: Mode, work: str, deadline: float):
         self.mode, self.work, self.deadline = mode, work, deadline
-        self._ray = None
+        self._session = None  # the Ray instance, started by the first step that needs it
 
     def backend(self):
-        if self.mode.ray:
-            return None  # Ray actors, in the session run() opened
-        from raysim.engine.backend import InProcess
-        return InProcess()
+        """Where a federation's server and hosts live: Ray actors (on this worker's one Ray instance,
+        started at the first call: a failure to start is that step's error), or this process."""
+        if not self.mode.ray:
+            from raysim.engine.backend import InProcess
+            return InProcess()
+        if self._session is None:
+            from raysim.engine.cluster import ray_session
+            session = ray_session(None)
+            session.__enter__()
+            self._session = session
+        return None
 
     def run(self, steps: list[str]) -> int:
-        import contextlib
-        with contextlib.ExitStack() as stack:
-            if self.mode.ray and set(steps) & {"det", "paper"}:
-                from raysim.engine.cluster import ray_session
-                stack.enter_context(ray_session(None))
-            failed = 0
+        failed = 0
+        try:
             for step in steps:
                 rec = Record(self.work, step)
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -248,6 +251,9 @@ class Worker:
                     rec.update(status="error", error=one_line(err), traceback=traceback.format_exc())
                     log(f"step {step} failed: {one_line(err)}")
                 rec.update(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
+        finally:
+            if self._session is not None:
+                self._session.__exit__(None, None, None)
         return 1 if failed else 0
 
     # ---- data
@@ -467,7 +473,7 @@ def bench_rows(arms: list[dict], workloads: tuple, why_missing: str) -> list[Row
             cands = [a for a in mine if _hosts_of(a["arm"]) is not None]
         good = [a for a in cands if _arm_problem(a) is None]
         if not good:
-            row.measured = (f"{cands[0]['arm']}: {_arm_problem(cands[0])}" if cands
+            row.measured = ("; ".join(f"{a['arm']}: {_arm_problem(a)}" for a in cands) if cands
                             else f"no result: {why_missing}")
             continue
         best = min(good, key=lambda a: a["round_median"])
@@ -525,7 +531,7 @@ def paper_rows(paper: dict, why_missing: str, mode: Mode) -> list[Row]:
         rounds = res["round_seconds"]
         steady = rounds[1:-1] if len(rounds) >= 3 else rounds
         acc = res.get("final_eval", {}).get("AVG")
-        row.measured = (f"{res['rounds']} rounds ({kind}), {statistics.median(steady):.2f} s a round, start-up "
+        row.measured = (f"{res['rounds']} round{'s' if res['rounds'] != 1 else ''} ({kind}), {statistics.median(steady):.2f} s a round, start-up "
                         f"{res['startup_seconds']:.1f} s, test AVG {'-' if acc is None else f'{acc:.4f}'}")
         if "main" not in r and paper.get("status") != "ok":
             row.measured += f"; main run: {paper.get('error') or why_missing}"
