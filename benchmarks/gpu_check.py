@@ -2,7 +2,7 @@
 
     source .gpu/setup.sh && bash benchmarks/gpu_check.sh      # on a GPU machine: about 8 minutes
     bash benchmarks/gpu_check.sh --device cpu                 # the CPU smoke: tiny sizes, seconds
-    bash benchmarks/gpu_check.sh --device cpu --ray           # the GPU's code path on the CPU (~2 min)
+    bash benchmarks/gpu_check.sh --device cpu --ray           # the GPU's code path on the CPU (minutes)
 
 Steps, one after the other, each in its own process with its own time limit (a step that fails or
 runs out of time gives ERROR rows; the others still run):
@@ -249,6 +249,7 @@ class Worker:
                 except Exception as err:  # noqa: BLE001 - one step's failure is a row, not the end
                     failed += 1
                     rec.update(status="error", error=one_line(err), traceback=traceback.format_exc())
+                    traceback.print_exc()  # into the step's log (gpu_check.log)
                     log(f"step {step} failed: {one_line(err)}")
                 rec.update(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
         finally:
@@ -531,8 +532,9 @@ def paper_rows(paper: dict, why_missing: str, mode: Mode) -> list[Row]:
         rounds = res["round_seconds"]
         steady = rounds[1:-1] if len(rounds) >= 3 else rounds
         acc = res.get("final_eval", {}).get("AVG")
-        row.measured = (f"{res['rounds']} round{'s' if res['rounds'] != 1 else ''} ({kind}), {statistics.median(steady):.2f} s a round, start-up "
-                        f"{res['startup_seconds']:.1f} s, test AVG {'-' if acc is None else f'{acc:.4f}'}")
+        plural = "s" if res["rounds"] != 1 else ""
+        row.measured = (f"{res['rounds']} round{plural} ({kind}), {statistics.median(steady):.2f} s a round, "
+                        f"start-up {res['startup_seconds']:.1f} s, test AVG {'-' if acc is None else f'{acc:.4f}'}")
         if "main" not in r and paper.get("status") != "ok":
             row.measured += f"; main run: {paper.get('error') or why_missing}"
             continue
@@ -554,7 +556,8 @@ def cuda_problem(python: str) -> str | None:
         return "torch did not answer within 120 s whether it sees CUDA"
     words = r.stdout.split()
     if r.returncode != 0 or len(words) < 2:
-        return f"torch does not import: {one_line(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode)}"
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        return f"torch does not import: {one_line(last)}"
     if words[1] != "True":
         return f"torch {words[0]} sees no CUDA device (torch.cuda.is_available() is False)"
     return None
@@ -609,8 +612,8 @@ def run_job(job: Job) -> None:
             end_tree(p.pid)
             raise
     job.seconds = time.perf_counter() - t0
-    log(f"{job.name}: {'ran out of its ' + format(job.timeout, '.0f') + ' s' if job.rc == 'timeout' else f'exit {job.rc}'} "
-        f"after {job.seconds:.0f} s")
+    ended = f"ran out of its {job.timeout:.0f} s" if job.rc == "timeout" else f"exit {job.rc}"
+    log(f"{job.name}: {ended} after {job.seconds:.0f} s")
 
 
 def why(job: Job | None) -> str:
@@ -628,7 +631,8 @@ def main(argv=None) -> int:
                                             "measured figures")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): the check on a GPU; cpu: the smoke, tiny sizes")
-    p.add_argument("--ray", action="store_true", help="with --device cpu: the steps through Ray and run.py, as on a GPU")
+    p.add_argument("--ray", action="store_true",
+                   help="with --device cpu: the steps through Ray and run.py, as on a GPU")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "out", "gpu_check"),
                    help="where the table, the JSON and the logs go (default $OUT, else benchmarks/out/gpu_check)")
     p.add_argument("--work", default=None, help="where the runs go (default: a temporary folder, removed at the end)")

@@ -31,6 +31,12 @@ def _table(stdout: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in rows]
 
 
+def _kind(check: str) -> tuple[str, str]:
+    """(workload, best | h1 | cohort) of an (a)/(c) row's check."""
+    w = check.split(":")[0]
+    return w, "cohort" if "cohorts" in check else "h1" if "1 host /" in check else "best"
+
+
 def test_cpu_smoke_prints_the_table_with_every_row(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     r = subprocess.run(["bash", SH, "--device", "cpu", "--out", str(out), "--work", str(work)],
@@ -38,14 +44,13 @@ def test_cpu_smoke_prints_the_table_with_every_row(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _table(r.stdout)
     assert all(len(row) == 5 for row in rows)
-    by_check = {(row[0], row[1]): row for row in rows}
-    assert len(by_check) == len(rows) == len(DEVICE_TARGETS) + 4  # (a)/(c) targets, (b), (d) x 2, wall time
+    assert len({(row[0], row[1]) for row in rows}) == len(rows) == len(DEVICE_TARGETS) + 4  # + (b), (d) x 2, time
+    bench = {_kind(row[1]): row for row in rows if row[0] in ("(a)", "(c)")}
+    names = {"raysim_best/plain": "best", "raysim_h1/plain": "h1", "cohort/plain": "cohort"}
+    assert set(bench) == {(w, names[name]) for w, name in DEVICE_TARGETS}
     for (w, name), (op, bound) in DEVICE_TARGETS.items():
-        step = "(c)" if name.startswith("cohort") else "(a)"
-        row = next(row for (s, check), row in by_check.items() if s == step and check.startswith(f"{w}: ")
-                   and ("cohorts" in check) == (step == "(c)")
-                   and ("1 host /" in check) == (name == "raysim_h1/plain"))
-        assert row[3] == f"{op} {bound:g}"
+        row = bench[(w, names[name])]
+        assert row[0] == ("(c)" if name == "cohort/plain" else "(a)") and row[3] == f"{op} {bound:g}"
         if w == "D":  # the smoke's workload: measured, judged
             assert row[4] in ("PASS", "MISS") and "s vs" in row[2]
         else:
@@ -102,12 +107,6 @@ def _arm(w, arm, median=None, **kw):
     return {**ARM, "workload": w, "arm": arm, "round_median": median, "max_abs_diff": 0.0, **kw}
 
 
-def _kind(row) -> tuple[str, str]:
-    """(workload, best | h1 | cohort) of a (a)/(c) row."""
-    w = row.check.split(":")[0]
-    return w, "cohort" if "cohorts" in row.check else "h1" if "1 host /" in row.check else "best"
-
-
 def test_bench_rows_read_run_pys_arms_as_its_ratios():
     arms = [_arm("D", "plain", 1.0), _arm("D", "raysim H=1", 1.2), _arm("D", "raysim H=4", 0.8),
             _arm("D", "raysim cohorts K=auto", 0.15),
@@ -117,7 +116,7 @@ def test_bench_rows_read_run_pys_arms_as_its_ratios():
             _arm("B", "raysim cohorts K=auto", not_available="FAILED: raysim B failed (exit 1)")]
     rows = gpu_check.bench_rows(arms, ("A", "B", "D", "P"), "its step ran out of its 200 s")
     assert len(rows) == len(DEVICE_TARGETS)
-    got = {_kind(r): (r.measured, r.result) for r in rows}
+    got = {_kind(r.check): (r.measured, r.result) for r in rows}
     assert got[("D", "best")] == ("0.8 at H=4 (0.800 s vs 1.000 s)", "PASS")
     assert got[("D", "h1")] == ("1.2 (1.200 s vs 1.000 s)", "PASS")
     assert got[("D", "cohort")] == ("0.15 (0.150 s vs 1.000 s)", "PASS")
