@@ -32,7 +32,7 @@ themselves go to a work folder (``--work``; a temporary one by default, removed 
 
 ``--device cpu`` (the smoke) runs the same steps with tiny sizes (12 clients of 16 images at 16 px,
 1-2 rounds) in one process, the federations on raysim's in-process backend and (a) as run.py's
-device benchmark with its arms in this process, workload D only; with ``--ray`` the steps run as on
+device benchmark with its arms in this process, workloads D and P; with ``--ray`` the steps run as on
 a GPU (own processes, Ray actors, run.py as a subprocess with ``--device cpu --only D --rounds 1``).
 On the CPU the speed targets mean nothing: the smoke shows that the check runs and reads its results.
 
@@ -111,7 +111,7 @@ def mode_of(device: str, ray: bool) -> Mode:
         return Mode("cuda", True)
     # in one process the smoke trains (d) with small_cnn: ResNet-10's backward and FDSE's aggregation
     # of its 4.9M parameters take seconds of a CPU; --ray keeps ResNet-10, as on the GPU
-    return Mode("cpu", ray, bench_workloads=("D",), det_rounds=2, pilot_rounds=1, paper_rounds=(1, 2), image_size=16,
+    return Mode("cpu", ray, bench_workloads=("D",) if ray else ("D", "P"), det_rounds=2, pilot_rounds=1, paper_rounds=(1, 2), image_size=16,
                 paper_model="resnet10" if ray else "small_cnn")
 
 

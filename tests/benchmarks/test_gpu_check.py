@@ -51,7 +51,7 @@ def test_cpu_smoke_prints_the_table_with_every_row(tmp_path):
     for (w, name), (op, bound) in DEVICE_TARGETS.items():
         row = bench[(w, names[name])]
         assert row[0] == ("(c)" if name == "cohort/plain" else "(a)") and row[3] == f"{op} {bound:g}"
-        if w == "D":  # the smoke's workload: measured, judged
+        if w in ("D", "P"):  # the smoke's workloads: measured, judged
             assert row[4] in ("PASS", "MISS") and "s vs" in row[2]
         else:
             assert row[4] == "-" and row[2] == "not run in this mode"
@@ -66,7 +66,8 @@ def test_cpu_smoke_prints_the_table_with_every_row(tmp_path):
                                     "bench_arms.jsonl"}
     assert (out / "gpu_check.md").read_text().strip() == r.stdout.strip()
     raw = json.loads((out / "gpu_check.json").read_text())
-    assert [a["arm"] for a in raw["arms"]] == ["plain", "raysim H=1", "raysim H=2", "raysim cohorts K=auto"]
+    assert [(a["workload"], a["arm"]) for a in raw["arms"]] == [
+        (w, arm) for w in ("D", "P") for arm in ("plain", "raysim H=1", "raysim H=2", "raysim cohorts K=auto")]
     assert raw["steps"]["det"]["compare"]["4"]["weights_equal"] is True
 
 
