@@ -196,12 +196,12 @@ class ServerConfig:
     # τ, the adaptivity: x = x + lr c_t m / (sqrt(v) + τ)
     tau: float = setting(serveropt.DEFAULT_TAU, gt=0,
                          source="Reddi et al. 2021: τ = 1e-3, their code's recommended ε (docs/hyperparameters.md)")
-    # code: the form lr was tuned with (Adam, Yogi bias-corrected from v = 0; Adagrad without a first
-    # moment); paper: Alg. 2 as printed (no bias correction, v from τ², β1 for all three)
+    # code: the form lr was tuned with (Adam, Yogi bias-corrected; Adagrad without a first moment; v from 0
+    # for all three); paper: Alg. 2 as printed (no bias correction, v from τ², β1 for all three)
     form: str = setting(serveropt.DEFAULT_FORM, one_of=serveropt.FORMS,
                         source="by the defaults rule: Reddi et al.'s code (Keras Adam/Adagrad, TF Addons Yogi, "
                         "ε = τ) tuned the grid's lr; paper: Alg. 2",
-                        doc="code: Adam/Yogi bias-corrected from v = 0, Adagrad without m | paper: Alg. 2 as printed")
+                        doc="code: Adam/Yogi bias-corrected, Adagrad without m, v from 0 | paper: Alg. 2 as printed")
 
 
 @dataclass

@@ -21,9 +21,9 @@ in one of two forms (``server.form``):
 - ``code`` (the default): the form the η of Reddi et al.'s grid was tuned with, their released
   code (google-research/federated) running Keras's optimizers with ε = τ. Adam and Yogi (Keras
   Adam; the Yogi of TF Addons) are bias-corrected, c_t = √(1 − β2^t) / (1 − β1^t) at step
-  t = 1, 2, ..., and start from v_{−1} = 0; Adagrad (Keras Adagrad) has no first moment (β1 = 0:
-  m_t = Δ_t), c_t = 1, and v_{−1} = τ² (Keras's own initial accumulator is a constructor argument;
-  we keep Alg. 2's least value).
+  t = 1, 2, ..., and Adagrad (Keras Adagrad) has no first moment (β1 = 0: m_t = Δ_t) and c_t = 1;
+  all three start from v_{−1} = 0 (their docs/hyperparameters.md: ``initial_accumulator_value=0.0``
+  for Adagrad and Yogi, Keras Adam's v starts at 0).
 - ``paper``: Alg. 2 as printed: c_t = 1 (no bias correction), β1 for all three, v_{−1} = τ² (line 1
   asks v_{−1} ≥ τ²; τ² is its least value).
 
@@ -103,12 +103,12 @@ class ServerOptimizer:
         return (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
 
     def init(self, params: Tensors) -> dict:
-        """The state before the first step: m_{−1} = 0, v_{−1} = 0 bias-corrected, else τ²
-        (momentum: v_{−1} = 0); no step taken yet."""
+        """The state before the first step: m_{−1} = 0, v_{−1} = 0 in the code form, τ² in the
+        paper's (momentum: v_{−1} = 0); no step taken yet."""
         if self.name == "momentum":
             return {"velocity": {k: torch.zeros_like(p) for k, p in params.items()}}
         if self.name in ADAPTIVE:
-            v0 = 0.0 if self.bias_corrected else self.tau ** 2
+            v0 = 0.0 if self.form == "code" else self.tau ** 2
             return {"m": {k: torch.zeros_like(p) for k, p in params.items()},
                     "v": {k: torch.full_like(p, v0) for k, p in params.items()}, "step": 0}
         return {}

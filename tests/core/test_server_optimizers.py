@@ -130,12 +130,13 @@ def test_tfa_yogi_is_bias_corrected_from_v_zero():
 
 
 def test_keras_adagrad_has_no_first_moment_and_no_bias_correction():
-    # Keras Adagrad: acc += g², x −= η g / (√acc + ε), g = −Δ; acc from τ² = 0.25
-    # step 1: v = [0.5, 1.25];  step 2: v = [0.75, 2.25], m = Δ both times (β1 = 0), c_t = 1
+    # Keras Adagrad: acc += g², x −= η g / (√acc + ε), g = −Δ; acc from 0 (the code's
+    # initial_accumulator_value=0.0).  step 1: v = Δ² = [0.25, 1];  step 2: v = [0.5, 2];
+    # m = Δ both times (β1 = 0), c_t = 1
     first, second, state = two_steps("adagrad")
-    assert first == pytest.approx([1 + 0.1 * 0.5 / (0.5 ** 0.5 + 0.5), 2 - 0.1 / (1.25 ** 0.5 + 0.5)], abs=1e-12)
+    assert first == pytest.approx([1 + 0.1 * 0.5 / (0.5 + 0.5), 2 - 0.1 / (1 + 0.5)], abs=1e-12)
     assert state["m"]["w"].tolist() == pytest.approx([0.5, -1.0], abs=1e-12)
-    assert second == pytest.approx([1 + 0.1 * 0.5 / (0.75 ** 0.5 + 0.5), 2 - 0.1 / (1.5 + 0.5)], abs=1e-12)
+    assert second == pytest.approx([1 + 0.1 * 0.5 / (0.5 ** 0.5 + 0.5), 2 - 0.1 / (2 ** 0.5 + 0.5)], abs=1e-12)
 
 
 # ----------------------------------------------------------------------------- the default aggregate
