@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from raysim.methods.fedprox import proximal_term
+from tiny_models import Logits
 
 
 def test_fedprox_proximal_term_by_hand():
@@ -18,17 +19,6 @@ def test_fedprox_gradient_pulls_toward_anchor():
     p = torch.tensor([2.0], requires_grad=True)
     proximal_term({"p": p}, {"p": torch.tensor([0.5])}, 0.2).backward()
     assert torch.allclose(p.grad, torch.tensor([0.2 * 1.5]))
-
-
-class Logits(torch.nn.Module):
-    """Two logits that are the parameter itself, whatever the input: a step's gradient by hand."""
-
-    def __init__(self):
-        super().__init__()
-        self.b = torch.nn.Parameter(torch.zeros(2))
-
-    def forward(self, x):
-        return self.b.expand(len(x), 2)
 
 
 def test_fedprox_solo_step_adds_mu_times_the_move_from_the_anchor():

@@ -20,6 +20,7 @@ from raysim.engine.host import ClientHost
 from raysim.engine.messages import LossQuery
 from raysim.engine.server import Server
 from raysim.methods.powerofchoice import PowerOfChoice
+from tiny_models import Logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -216,17 +217,6 @@ def test_a_select_that_returns_an_offline_or_repeated_client_is_a_one_line_error
 
 
 # ----------------------------------------------------------------------------- rpow-d's uploaded loss
-
-class Logits(torch.nn.Module):
-    """Two logits that are the parameter itself, whatever the input: each step's loss by hand."""
-
-    def __init__(self):
-        super().__init__()
-        self.b = torch.nn.Parameter(torch.zeros(2))
-
-    def forward(self, x):
-        return self.b.expand(len(x), 2)
-
 
 def test_rpow_d_uploads_the_mean_of_its_batch_losses_over_several_steps():
     """Plain SGD at lr 1 on batches of one class-0 example, the logits b starting at (0, 0):
