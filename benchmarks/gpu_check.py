@@ -739,7 +739,7 @@ def report(mode: Mode, out: str, work: str, jobs: dict[str, Job], t_start: float
                     "PASS" if total <= budget else "MISS"))
     counts = {r: sum(1 for x in rows if x.result == r) for r in ("PASS", "MISS", "ERROR", "-")}
     machine = (f"Python {prep.get('python', '?')}, torch {prep.get('torch', '?')}, ray {prep.get('ray', '?')}, "
-               f"{prep.get('cpus', '?')} CPUs{gpu_name() if mode.device == 'cuda' else ''}")
+               f"{prep.get('cpus', '?')} CPUs{bench.gpu_name(mode.device)}")
     head = [f"# GPU check (issue 40), {mode.name}, {time.strftime('%Y-%m-%d %H:%M:%S')}", "",
             f"machine: {machine}"]
     if mode.smoke:
@@ -784,17 +784,6 @@ def report(mode: Mode, out: str, work: str, jobs: dict[str, Job], t_start: float
         if os.path.isfile(src):
             shutil.copyfile(src, os.path.join(out, name))
     return 1 if counts["ERROR"] else 0
-
-
-def gpu_name() -> str:
-    """", <GPU>" from nvidia-smi (the driver never opens a CUDA context)."""
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        names = [line.strip() for line in r.stdout.splitlines() if line.strip()]
-    except (OSError, subprocess.TimeoutExpired):
-        names = []
-    return f", {'; '.join(names)}" if names else ", GPU (nvidia-smi not found)"
 
 
 if __name__ == "__main__":
