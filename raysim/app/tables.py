@@ -198,7 +198,7 @@ def _changed_hparams(cls, hp) -> list[str]:
 
 def _server_line(cls, server, key: str) -> tuple[str, str]:
     """(the server optimizer and its settings, what the config changed of the method's own: "" if nothing)."""
-    from raysim.core.server_optimizers import ADAPTIVE, DEFAULT_FORM, DEFAULT_LR, resolve
+    from raysim.core.server_optimizers import DEFAULT_LR, resolve
     opt, own = resolve(server, cls.server_optimizer, key), resolve(None, cls.server_optimizer, key)
     settings = [f"lr {value_text(opt.lr)}"]
     if opt.name == "momentum":
@@ -210,7 +210,16 @@ def _server_line(cls, server, key: str) -> tuple[str, str]:
         return line + " (the method's own)", ""
     line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
     return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else [])
-                          + ([f"form {opt.form}"] if opt.name in ADAPTIVE and opt.form != DEFAULT_FORM else []))
+                          + [f"{name} {value_text(getattr(opt, name))}" for name in _used_settings(opt)
+                             if getattr(opt, name) != getattr(own, name)])
+
+
+def _used_settings(opt) -> tuple[str, ...]:
+    """The settings besides lr that ``opt``'s step reads."""
+    from raysim.core.server_optimizers import ADAPTIVE
+    if opt.name == "momentum":
+        return ("momentum",)
+    return ("betas", "tau", "form") if opt.name in ADAPTIVE else ()
 
 
 # ----------------------------------------------------------------------------- what a run shares
