@@ -174,8 +174,9 @@ OWN_FAILURES = (MethodFailed, TrainingDiverged)
 # How long the driver waits for the other federations to end on a stop: one in its round loop ends
 # within a poll slice (0.5 s), its files written, then its actors (END_ACTORS_S); one still starting
 # may hang in a Ray call a draining GCS never answers (an actor class's export, after a SIGTERM to
-# the process group), and has nothing to write.
-STOP_GRACE_S = 2.5
+# the process group), and has nothing to write. 4 s: room for a loaded machine's slow threads, and
+# a comparison's SIGTERM still ends in ~7 s at worst here (3.5 s when no federation is starting).
+STOP_GRACE_S = 4.0
 
 
 def _failed_federations(failed: list, total: int, run_dir: str, rendered: bool) -> Exception:
