@@ -114,6 +114,7 @@ def ray_instances(seen: dict) -> int:
     return sum(1 for cmd in seen.values() if "gcs_server" in cmd.split(" ", 1)[0])
 
 
+@pytest.mark.slow  # three federations to their end (~30 s): make test-slow
 def test_a_bug_in_one_method_stops_it_alone_with_its_traceback_and_the_others_finish(tmp_path):
     driver = start(tmp_path, "methods=[fedavg,plugin:BuggyClient,plugin:BuggyServer]")
     seen = {}

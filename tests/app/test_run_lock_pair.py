@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from raysim.app.rundir import LOCK
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,6 +18,7 @@ ARGS = ["configs/quickstart.yaml", "methods=[fedavg]", "rounds=1", "data.options
         "tracking.tensorboard=false"]
 
 
+@pytest.mark.slow  # two real raysim runs (~24 s): make test-slow
 def test_two_raysim_runs_on_a_stale_lock_one_runs_the_other_is_refused(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
     out.mkdir()
