@@ -69,7 +69,7 @@ class TrainConfig:
 class EvalConfig:
     every: int = setting(1, ge=1)  # evaluate every k rounds (and always after the last)
     protocol: str = setting("personalized", one_of=("personalized", "global", "lodo"))
-    holdout: str = "all"  # lodo: "all" or a domain name
+    holdout: Any = "all"  # lodo: "all", a domain name, or a list of domain names (held out in turn)
     splits: list = field(default_factory=lambda: ["val", "test"])
     clients: Any = "all"  # "all", or an int: a fixed seeded subset of clients is evaluated
     # personalized protocol: a client's model as it receives it for the next round ("received", after
@@ -520,6 +520,11 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
     e = cfg.eval
     need(all(s in ("val", "test") for s in e.splits) and e.splits,
          f"config key 'eval.splits' = {e.splits!r}: expected a list of 'val' and/or 'test'")
+    need(isinstance(e.holdout, (str, int)) and not isinstance(e.holdout, bool) or isinstance(e.holdout, list)
+         and bool(e.holdout) and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in e.holdout)
+         and len({str(d) for d in e.holdout}) == len(e.holdout),
+         f"config key 'eval.holdout' = {e.holdout!r}: expected 'all', a domain's name, or a list of distinct "
+         "domain names")
     need(e.clients == "all" or (isinstance(e.clients, int) and not isinstance(e.clients, bool)
                                 and e.clients >= 1),
          f"config key 'eval.clients' = {e.clients!r}: expected 'all' or a positive integer")

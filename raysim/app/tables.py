@@ -297,6 +297,15 @@ LODO_SELECT = {
 }
 
 
+def held_out_text(holdout) -> str:
+    """``eval.holdout`` in words."""
+    if holdout == "all":
+        return "each domain held out in turn"
+    if isinstance(holdout, list) and len(holdout) > 1:
+        return f"{', '.join(map(str, holdout))} held out in turn"
+    return f"{holdout[0] if isinstance(holdout, list) else holdout} held out"
+
+
 def protocol_text(cfg, rans: list[Ran]) -> str:
     """How the federations were scored: the protocol, and under leave-one-domain-out what was
     scored, how the round was chosen and whether the unseen domain's adaptation ran."""
@@ -320,6 +329,6 @@ def protocol_text(cfg, rans: list[Ran]) -> str:
         adapt = ("on (eval.adapt): " + (f"{', '.join(does)} adapt{'s' if len(does) == 1 else ''} to the unseen "
                  "domain's unlabeled data before it is scored" if does else "no method here adapts")
                  + (f"; {', '.join(rest)} {'has' if len(rest) == 1 else 'have'} no adaptation step" if does and rest else ""))
-    return (f"leave-one-domain-out ({'each domain held out in turn' if e.holdout == 'all' else f'{e.holdout} held out'}); "
+    return (f"leave-one-domain-out ({held_out_text(e.holdout)}); "
             f"scored on {scored}; round chosen by {LODO_SELECT.get(e.select, e.select)} (eval.select {e.select}); "
             f"label-free adaptation {adapt}; {every}")
