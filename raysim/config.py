@@ -190,9 +190,11 @@ class ServerConfig:
     momentum: float = setting(serveropt.DEFAULT_MOMENTUM, ge=0, lt=1, expected="0 <= momentum < 1",
                               source="Hsu et al. 2019; Reddi et al. 2021's FedAvgM (server_sgd_momentum=0.9)")
     # β1, β2 of adam, yogi (β1 also adagrad's first moment in the paper form, Alg. 2 line 11)
-    betas: tuple[float, ...] = setting(serveropt.DEFAULT_BETAS, ge=0, lt=1, expected="two numbers in [0, 1)",
-                                       source="Reddi et al. 2021 FedAdam/FedYogi β1 = 0.9, β2 = 0.99 (as Flower's "
-                                       "FedAdam/FedYogi from arXiv v5; their code's docs: Keras's β2 = 0.999 ran)")
+    # null: the form's, (0.9, 0.999) in the code form (Keras's, as Reddi et al.'s code ran), (0.9, 0.99) in the paper's
+    betas: tuple[float, ...] | None = setting(None, ge=0, lt=1, expected="two numbers in [0, 1)",
+                                              source="by the form: code (0.9, 0.999), Keras's defaults, which Reddi et "
+                                              "al.'s code ran (docs/hyperparameters.md: 'we did not [change them]'); "
+                                              "paper (0.9, 0.99), the paper's text (as Flower's FedAdam/FedYogi)")
     # τ, the adaptivity: x = x + lr c_t m / (sqrt(v) + τ)
     tau: float = setting(serveropt.DEFAULT_TAU, gt=0,
                          source="Reddi et al. 2021: τ = 1e-3, their code's recommended ε (docs/hyperparameters.md)")
@@ -550,8 +552,8 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
          "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")
     need(t.mlflow_experiment is None or t.mlflow_experiment.strip() != "",
          "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
-    need(len(cfg.server.betas) == 2,
-         f"config key 'server.betas' = {list(cfg.server.betas)}: expected two numbers in [0, 1) (β1, β2)")
+    need(cfg.server.betas is None or len(cfg.server.betas) == 2,
+         f"config key 'server.betas' = {list(cfg.server.betas or [])}: expected two numbers in [0, 1) (β1, β2)")
     from raysim.core.tiers import check_profiles
     check_profiles(cfg.clients.profiles)
 

@@ -94,17 +94,18 @@ VARIANTS = {"methods": ["fedprox", {"name": "fedprox-mu1", "method": "fedprox", 
 def test_a_config_without_variants_keeps_its_config_and_fingerprint():
     """Checkpoints written before variants existed still resume: the same fingerprints (pinned),
     and no ``variant`` key in a federation's config.yaml. A server optimizer's section is in the
-    fingerprint with its ``form``: a FedAdam run written before the default form became the
-    bias-corrected one (issue 40) is refused, not resumed in another form (pinned too)."""
+    fingerprint with its ``form`` and ``betas``: a FedAdam run written before the default form became
+    the bias-corrected one with Keras's β2 (issue 40) is refused, not resumed in another form (pinned too)."""
     from raysim.engine.checkpoint import config_fingerprint
     raw = {"methods": ["fedavg", "fedprox"], "rounds": 3, "seed": 1, "hp": {"fedprox": {"mu": 0.1}},
            "per_method": {"fedprox": {"train": {"lr": 0.05}}}}
     cfg = load_config(raw=raw)
     assert [config_fingerprint(cfg.for_method(m)) for m in ("fedavg", "fedprox")] == ["542130e80b37a31f",
                                                                                        "c5c3b3b149bcbcb9"]
-    cfg = load_config(raw={**raw, "server": {"optimizer": "adam"}})  # before issue 40: 4a6facc0a0f59a21, 9bd3dde9e4b028cc
-    assert [config_fingerprint(cfg.for_method(m)) for m in ("fedavg", "fedprox")] == ["57a437be1af3657e",
-                                                                                       "5520169ade89035a"]
+    # before issue 40: 4a6facc0a0f59a21, 9bd3dde9e4b028cc; before betas by form: 57a437be1af3657e, 5520169ade89035a
+    cfg = load_config(raw={**raw, "server": {"optimizer": "adam"}})
+    assert [config_fingerprint(cfg.for_method(m)) for m in ("fedavg", "fedprox")] == ["8ccb502cb0e0c32b",
+                                                                                       "1ad577e82c0949db"]
     assert config_fingerprint(load_config(raw={"method": "fedbn"})) == "ea92a7ba7f3dcbca"
     assert "variant" not in cfg.to_dict() and "variant" not in cfg.for_method("fedprox").to_dict()
 

@@ -59,7 +59,10 @@ FORMS = ("code", "paper")  # the form η was tuned with (bias-corrected, v from 
 # Shakespeare and Stack Overflow NWP; the median of the 6 is 10^-1.75, EMNIST-CR's 10^-2.5)
 DEFAULT_LR = {"sgd": 1.0, "momentum": 1.0, "adagrad": 1e-1, "adam": 1e-2, "yogi": 1e-2}
 DEFAULT_MOMENTUM = 0.9  # β of FedAvgM: Hsu et al. 2019; Reddi et al.'s FedAvgM (server_sgd_momentum=0.9)
-DEFAULT_BETAS = (0.9, 0.99)  # β1, β2: Reddi et al. 2021 FedAdam/FedYogi (Flower's FedAdam/FedYogi agree)
+# β1, β2 by form: the code form's are Keras's defaults, which Reddi et al.'s code ran ("beta1 and beta2
+# set by default to 0.9 and 0.999 ... we did not [change them]", docs/hyperparameters.md); the paper
+# form's are the paper's text, β2 = 0.99 (Flower's FedAdam/FedYogi take those)
+DEFAULT_BETAS = {"code": (0.9, 0.999), "paper": (0.9, 0.99)}
 DEFAULT_TAU = 1e-3  # τ: Reddi et al. 2021, their code's recommended ε (docs/hyperparameters.md)
 DEFAULT_FORM = "code"  # by the defaults rule: the form the grid's η was tuned with
 STATE_KEY = "server_optimizer"  # where the optimizer's state lives in the server's state
@@ -76,9 +79,13 @@ class ServerOptimizer:
     name: str = "sgd"
     lr: float = DEFAULT_LR["sgd"]  # η
     momentum: float = DEFAULT_MOMENTUM  # β of "momentum"
-    betas: tuple[float, float] = DEFAULT_BETAS  # β1, β2 of the adaptive optimizers
+    betas: tuple[float, float] | None = None  # β1, β2 of the adaptive optimizers; None: the form's
     tau: float = DEFAULT_TAU  # τ, the adaptivity (Adam's ε)
     form: str = DEFAULT_FORM  # "code" | "paper" (module docstring)
+
+    def __post_init__(self):
+        if self.betas is None:
+            object.__setattr__(self, "betas", DEFAULT_BETAS[self.form])
 
     @property
     def plain_mean(self) -> bool:
@@ -162,7 +169,7 @@ def resolve(server, method_optimizer: str = "sgd", method: str = "", own_aggrega
     lr = getattr(server, "lr", None)
     opt = ServerOptimizer(name=name, lr=DEFAULT_LR[name] if lr is None else float(lr),
                           momentum=getattr(server, "momentum", DEFAULT_MOMENTUM),
-                          betas=tuple(getattr(server, "betas", DEFAULT_BETAS)),
+                          betas=None if getattr(server, "betas", None) is None else tuple(server.betas),
                           tau=getattr(server, "tau", DEFAULT_TAU), form=getattr(server, "form", DEFAULT_FORM))
     if own_aggregate and not opt.plain_mean:
         raise UserError(f"method {method} has its own server step (aggregate): server.optimizer={name} "

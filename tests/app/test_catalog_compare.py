@@ -261,7 +261,7 @@ def test_a_variant_is_a_row_of_its_own_paired_with_the_first_entry(tmp_path):
     assert row(text, "fedavg + server momentum") and row(text.split("## Paired")[1], "fedprox")
     what = text.split("## What ran")[1].split("Test accuracy")[0]
     assert "**zz-adam**: method fedavg (variant zz-adam)" in what
-    assert "server: adam (lr 0.01, betas [0.9, 0.99], tau 0.001, form code); the method's own: sgd (lr 1)" in what
+    assert "server: adam (lr 0.01, betas [0.9, 0.999], tau 0.001, form code); the method's own: sgd (lr 1)" in what
     assert "**fedavg + server momentum**: method fedavg" in what and "server: momentum (lr 1, momentum 0.9)" in what
     assert "hyperparameters: mu=0.5 (default 0.01)" in what
     assert "- rounds: 2; seeds 0, 1" in what

@@ -169,8 +169,9 @@ def test_every_default_says_where_it_comes_from(method):
 # the `server:` section's (raysim.core.server_optimizers defines each once; ServerConfig takes them)
 SERVER_PINNED = {
     "lr": {"sgd": 1.0, "momentum": 1.0, "adagrad": 0.1, "adam": 0.01, "yogi": 0.01},
-    "momentum": 0.9, "betas": (0.9, 0.99), "tau": 1e-3, "form": "code",
+    "momentum": 0.9, "betas": (0.9, 0.999), "tau": 1e-3, "form": "code",
 }
+PAPER_FORM_BETAS = (0.9, 0.99)  # server.form=paper: the paper's text (the code form's are Keras's, which ran)
 SERVER_OF = {"fedavg": "sgd", "fedavgm": "momentum", "fedadagrad": "adagrad", "fedadam": "adam", "fedyogi": "yogi"}
 
 
@@ -192,4 +193,15 @@ def test_every_server_default_says_where_it_comes_from():
     fields = dataclasses.fields(ServerConfig)
     assert [f.name for f in fields if not f.metadata.get("source", "").strip()] == []
     assert {f.name: f.default for f in fields} == {"optimizer": None, "lr": None, **{
-        k: v for k, v in SERVER_PINNED.items() if k != "lr"}}
+        k: v for k, v in SERVER_PINNED.items() if k != "lr"}, "betas": None}  # None: the form's
+
+
+@pytest.mark.parametrize("method", ["fedadam", "fedyogi"])
+def test_the_paper_form_takes_the_papers_betas_unless_set(method):
+    from raysim.config import ServerConfig
+    from raysim.core.server_optimizers import resolve
+
+    cls = registry.get(method)
+    assert resolve(ServerConfig(form="paper"), cls.server_optimizer, method).betas == PAPER_FORM_BETAS
+    assert resolve(ServerConfig(form="paper", betas=(0.5, 0.75)), cls.server_optimizer, method).betas == (0.5, 0.75)
+    assert resolve(ServerConfig(betas=(0.5, 0.75)), cls.server_optimizer, method).betas == (0.5, 0.75)
