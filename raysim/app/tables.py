@@ -206,7 +206,8 @@ def _server_line(cls, server, key: str) -> tuple[str, str]:
     if opt.name in ("adam", "yogi", "adagrad"):
         settings += [f"betas {value_text(opt.betas)}", f"tau {value_text(opt.tau)}", f"form {opt.form}"]
     line = f"{opt.name} ({', '.join(settings)})" + (": the plain mean" if opt.plain_mean else "")
-    if opt == own:
+    if (opt.name, opt.lr) == (own.name, own.lr) and all(getattr(opt, k) == getattr(own, k) for k in _used_settings(opt)):
+        # (settings its step does not read do not count: an old config's betas beside sgd)
         return line + " (the method's own)", ""
     line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
     return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else [])

@@ -279,3 +279,13 @@ def main_out(argv) -> str:
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
     return out.getvalue()
+
+
+def test_settings_a_server_step_does_not_read_do_not_make_a_changed_row():
+    """A FedAvg run written when the default betas were (0.9, 0.99) is still plain ``fedavg``: sgd
+    reads no betas; FedAdam's row names betas it runs with other than its own."""
+    from raysim.app.tables import _server_line
+    from raysim.config import ServerConfig
+    from raysim.methods import registry
+    assert _server_line(registry.get("fedavg"), ServerConfig(betas=(0.9, 0.99)), "fedavg")[1] == ""
+    assert _server_line(registry.get("fedadam"), ServerConfig(betas=(0.9, 0.99)), "fedadam")[1] == "adam betas [0.9, 0.99]"
