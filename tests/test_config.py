@@ -107,6 +107,10 @@ def test_a_config_without_variants_keeps_its_config_and_fingerprint():
     assert [config_fingerprint(cfg.for_method(m)) for m in ("fedavg", "fedprox")] == ["8ccb502cb0e0c32b",
                                                                                        "1ad577e82c0949db"]
     assert config_fingerprint(load_config(raw={"method": "fedbn"})) == "ea92a7ba7f3dcbca"
+    # a config.yaml written in full before the betas followed the form (betas [0.9, 0.99]) keeps its fingerprint
+    written = {"optimizer": None, "lr": None, "momentum": 0.9, "betas": [0.9, 0.99], "tau": 0.001, "form": "code"}
+    cfg = load_config(raw={**raw, "server": written})
+    assert config_fingerprint(cfg.for_method("fedavg")) == "542130e80b37a31f"
     assert "variant" not in cfg.to_dict() and "variant" not in cfg.for_method("fedprox").to_dict()
 
 

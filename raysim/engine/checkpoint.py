@@ -49,9 +49,17 @@ def config_fingerprint(cfg) -> str:
     d.pop("name", None)
     d.pop("paper", None)
     d.pop("tracking", None)
-    if "server" in d and d["server"] == dataclasses.asdict(type(cfg.server)()):
-        d.pop("server")  # the plain mean: the fingerprint of every run before server optimizers existed
+    if "server" in d and _default_server(d["server"], type(cfg.server)):
+        d.pop("server")  # the fingerprint of every run before server optimizers existed
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _default_server(section: dict, cls) -> bool:
+    """The ``server`` section at its defaults, or as every config.yaml written before the betas
+    followed the form recorded it (betas [0.9, 0.99], then everyone's default): either way the
+    fingerprint runs had before, so their folders still resume (with the betas their config.yaml says)."""
+    default = dataclasses.asdict(cls())
+    return section == default or {**section, "betas": None} == default and list(section["betas"] or ()) == [0.9, 0.99]
 
 
 def checkpoint_dir(run_dir: str) -> str:
