@@ -29,7 +29,8 @@ import numpy as np
 import pandas as pd
 
 from raysim.app.plots import save_figure
-from raysim.app.rundir import config_dict, failed_federations, holdout_dirs, method_dirs, read_metrics, seed_dirs
+from raysim.app.rundir import (config_dict, failed_federations, holdout_dirs, method_dirs, read_metrics, seed_dirs,
+                               unfinished_line)
 from raysim.app.tables import (AGGREGATES, SELECT_LABELS, Ran, Summary, first_federation, markdown_table,
                                 partition_text, pct, ran, select_rule, summarize)
 from raysim.core.errors import UserError
@@ -268,6 +269,8 @@ def compare_markdown(entries: list[Entry], by: str = "method") -> tuple[str, pd.
     failed = [f"{os.path.join(run, folder)} ({line})" for run in dict.fromkeys(e.run_dir for e in entries)
               for folder, line in failed_federations(run)]
     left_out = ["Left out, their method raised (see each folder's error.txt): " + "; ".join(failed), ""] if failed else []
+    unfinished = unfinished_line(list(dict.fromkeys(e.run_dir for e in entries)))
+    left_out += [unfinished, ""] if unfinished else []
     out = ["# Comparison", "",
            "Runs: " + ", ".join(dict.fromkeys(e.run_dir for e in entries)), ""] + ([differ, ""] if differ else []) + left_out + [
            f"Test accuracy (%) at each federation's selected round ({'; '.join(SELECT_LABELS[r] for r in rules)})"

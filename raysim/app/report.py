@@ -301,7 +301,9 @@ def render(run_dir: str) -> str:
     else:
         text = summary_markdown(runs, title, header)
         text += "".join(method_section(*first[row]) for row in runs)
-    text += _exchanges(dirs) + beside_paper(run_dir) + _failed_section(failed)
+    unfinished = rundir.unfinished_line([run_dir])
+    text += _exchanges(dirs) + beside_paper(run_dir) + _failed_section(failed) + (
+        "\n## Unfinished\n\n" + unfinished + "\n" if unfinished else "")
     write_text(os.path.join(run_dir, "summary.md"), text)
     plot_curves(panels, os.path.join(run_dir, "curves.png"))
     if any(sim_clock(df) is not None for frames in panels.values() for df in frames):

@@ -452,6 +452,41 @@ def failed_federations(run_dir: str) -> list[tuple[str, str]]:
     return out
 
 
+def unfinished_federations(run_dir: str) -> list[tuple[str, int | None, int]]:
+    """(folder relative to ``run_dir``, the last round its metrics hold, the rounds its config
+    plans) of every federation below ``run_dir`` whose metrics stop before its config's last round
+    and that did not finish (status.json): still running, or stopped (its method's error aside:
+    :func:`failed_federations`). Report and compare show such a federation at the rounds it has,
+    and say so."""
+    import pyarrow.parquet as pq
+    from raysim.engine import runstate
+    out = []
+    for root, dirs, names in os.walk(run_dir):
+        dirs[:] = sorted(d for d in dirs if d not in ("checkpoints", "tb"))
+        if "metrics.parquet" not in names or ERROR in names or runstate.read_status(root).get("finished") is True:
+            continue
+        try:
+            rounds = pq.read_table(os.path.join(root, "metrics.parquet"), columns=["round"]).column("round")
+            last = int(max(rounds.to_pylist())) if len(rounds) else None
+        except Exception:  # unreadable: read_metrics says so where it is read
+            last = None
+        planned = config_dict(root).get("rounds")
+        if isinstance(planned, int) and (last is None or last < planned):  # (metrics of its own: none planned)
+            out.append((os.path.relpath(root, run_dir), last, planned))
+    return out
+
+
+def unfinished_line(run_dirs: list[str]) -> str:
+    """One line naming the unfinished federations of ``run_dirs`` ("" when every one finished)."""
+    parts = [f"{os.path.normpath(os.path.join(run, folder)) if len(run_dirs) > 1 else folder} "
+             f"(round {'?' if last is None else last} of {'?' if planned is None else planned})"
+             for run in run_dirs for folder, last, planned in unfinished_federations(run)]
+    if not parts:
+        return ""
+    return ("**Unfinished** (still running, or stopped before their last round; each is shown at the "
+            "rounds it has): " + "; ".join(parts) + ".")
+
+
 def method_of(folder: str) -> str:
     """The method a folder ran: its config's ``method`` (or the first entry of ``methods``, a
     variant's ``method``), else the folder's name."""

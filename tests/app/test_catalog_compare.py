@@ -289,3 +289,21 @@ def test_settings_a_server_step_does_not_read_do_not_make_a_changed_row():
     from raysim.methods import registry
     assert _server_line(registry.get("fedavg"), ServerConfig(betas=(0.9, 0.99)), "fedavg")[1] == ""
     assert _server_line(registry.get("fedadam"), ServerConfig(betas=(0.9, 0.99)), "fedadam")[1] == "adam betas [0.9, 0.99]"
+
+
+def test_a_federation_that_stopped_before_its_last_round_is_named_in_compare_and_report(tmp_path):
+    """Shown at the rounds it has, and said so: one seed of two stopped after round 1 of 3."""
+    from raysim.app.report import render
+    root = tmp_path / "run"
+    for seed, rounds_done in ((0, 3), (1, 1)):
+        test = [{"a": 0.5, "b": 0.5}, {"a": 0.6, "b": 0.6}, {"a": 0.7, "b": 0.7}][:rounds_done]
+        val = [{"a": 0.1, "b": 0.1}, {"a": 0.2, "b": 0.2}, {"a": 0.3, "b": 0.3}][:rounds_done]
+        write_federation(root / "fedavg" / f"seed-{seed}", "fedavg", test, val, rounds=3)
+    (root / "fedavg" / "seed-0" / "status.json").write_text('{"finished": true}')
+    with open(root / "config.yaml", "w") as fh:
+        yaml.safe_dump({"methods": ["fedavg"], "seeds": [0, 1], "rounds": 3}, fh)
+    line = "**Unfinished** (still running, or stopped before their last round; each is shown at the rounds it has): "
+    assert line + "fedavg/seed-1 (round 1 of 3)." in flat(main_out(["compare", str(root)]))
+    assert "## Unfinished" in render(str(root)) and "fedavg/seed-1 (round 1 of 3)" in render(str(root))
+    (root / "fedavg" / "seed-1" / "status.json").write_text('{"finished": true}')  # e.g. stopped by stop.* rules
+    assert "Unfinished" not in main_out(["compare", str(root)])
