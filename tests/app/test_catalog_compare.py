@@ -305,5 +305,5 @@ def test_a_federation_that_stopped_before_its_last_round_is_named_in_compare_and
     line = "**Unfinished** (still running, or stopped before their last round; each is shown at the rounds it has): "
     assert line + "fedavg/seed-1 (round 1 of 3)." in flat(main_out(["compare", str(root)]))
     assert "## Unfinished" in render(str(root)) and "fedavg/seed-1 (round 1 of 3)" in render(str(root))
-    (root / "fedavg" / "seed-1" / "status.json").write_text('{"finished": true}')  # e.g. stopped by stop.* rules
+    (root / "fedavg" / "seed-1" / "status.json").write_text('{"finished": true}')  # its status says it finished
     assert "Unfinished" not in main_out(["compare", str(root)])
