@@ -91,11 +91,12 @@ def start(tmp_path: Path, *args: str) -> subprocess.Popen:
 
 def watch(driver: subprocess.Popen, until, seen: dict, timeout: float = 240) -> None:
     """Poll the driver's process tree into ``seen`` ({pid: command}) until ``until()`` or it exits
-    (a command as first read: an ending process's reads back empty)."""
+    (a command as last read: a forked process carries its parent's until it execs, and an ending
+    one's reads back empty)."""
     deadline = time.monotonic() + timeout
     while True:
         for pid, cmd in tree(driver.pid):
-            if cmd and not seen.get(pid):
+            if cmd:
                 seen[pid] = cmd
         if until() or driver.poll() is not None:
             return
