@@ -200,11 +200,7 @@ def _server_line(cls, server, key: str) -> tuple[str, str]:
     """(the server optimizer and its settings, what the config changed of the method's own: "" if nothing)."""
     from raysim.core.server_optimizers import DEFAULT_LR, resolve
     opt, own = resolve(server, cls.server_optimizer, key), resolve(None, cls.server_optimizer, key)
-    settings = [f"lr {value_text(opt.lr)}"]
-    if opt.name == "momentum":
-        settings.append(f"momentum {value_text(opt.momentum)}")
-    if opt.name in ("adam", "yogi", "adagrad"):
-        settings += [f"betas {value_text(opt.betas)}", f"tau {value_text(opt.tau)}", f"form {opt.form}"]
+    settings = [f"lr {value_text(opt.lr)}"] + [f"{k} {value_text(getattr(opt, k))}" for k in _used_settings(opt)]
     line = f"{opt.name} ({', '.join(settings)})" + (": the plain mean" if opt.plain_mean else "")
     if (opt.name, opt.lr) == (own.name, own.lr) and all(getattr(opt, k) == getattr(own, k) for k in _used_settings(opt)):
         # (settings its step does not read do not count: an old config's betas beside sgd)
@@ -220,6 +216,8 @@ def _used_settings(opt) -> tuple[str, ...]:
     from raysim.core.server_optimizers import ADAPTIVE
     if opt.name == "momentum":
         return ("momentum",)
+    if opt.name == "adagrad" and opt.form == "code":
+        return ("tau", "form")  # Keras Adagrad: no first moment, and it never reads β2
     return ("betas", "tau", "form") if opt.name in ADAPTIVE else ()
 
 

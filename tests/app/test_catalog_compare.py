@@ -289,6 +289,8 @@ def test_settings_a_server_step_does_not_read_do_not_make_a_changed_row():
     from raysim.methods import registry
     assert _server_line(registry.get("fedavg"), ServerConfig(betas=(0.9, 0.99)), "fedavg")[1] == ""
     assert _server_line(registry.get("fedadam"), ServerConfig(betas=(0.9, 0.99)), "fedadam")[1] == "adam betas [0.9, 0.99]"
+    line, changed = _server_line(registry.get("fedadagrad"), ServerConfig(betas=(0.9, 0.99)), "fedadagrad")
+    assert (line, changed) == ("adagrad (lr 0.1, tau 0.001, form code) (the method's own)", "")  # Keras Adagrad: no β
 
 
 def test_a_federation_that_stopped_before_its_last_round_is_named_in_compare_and_report(tmp_path):
