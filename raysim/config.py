@@ -522,9 +522,9 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
     e = cfg.eval
     need(all(s in ("val", "test") for s in e.splits) and e.splits,
          f"config key 'eval.splits' = {e.splits!r}: expected a list of 'val' and/or 'test'")
-    need(isinstance(e.holdout, (str, int)) and not isinstance(e.holdout, bool) or isinstance(e.holdout, list)
-         and bool(e.holdout) and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in e.holdout)
-         and len({str(d) for d in e.holdout}) == len(e.holdout),
+    held_out = e.holdout if isinstance(e.holdout, list) else [e.holdout]
+    need(bool(held_out) and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in held_out)
+         and len({str(d) for d in held_out}) == len(held_out),
          f"config key 'eval.holdout' = {e.holdout!r}: expected 'all', a domain's name, or a list of distinct "
          "domain names")
     need(e.clients == "all" or (isinstance(e.clients, int) and not isinstance(e.clients, bool)

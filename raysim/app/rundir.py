@@ -479,7 +479,7 @@ def unfinished_federations(run_dir: str) -> list[tuple[str, int | None, int]]:
 def unfinished_line(run_dirs: list[str]) -> str:
     """One line naming the unfinished federations of ``run_dirs`` ("" when every one finished)."""
     parts = [f"{os.path.normpath(os.path.join(run, folder)) if len(run_dirs) > 1 else folder} "
-             f"(round {'?' if last is None else last} of {'?' if planned is None else planned})"
+             f"(round {'?' if last is None else last} of {planned})"
              for run in run_dirs for folder, last, planned in unfinished_federations(run)]
     if not parts:
         return ""

@@ -200,9 +200,10 @@ def _server_line(cls, server, key: str) -> tuple[str, str]:
     """(the server optimizer and its settings, what the config changed of the method's own: "" if nothing)."""
     from raysim.core.server_optimizers import DEFAULT_LR, resolve
     opt, own = resolve(server, cls.server_optimizer, key), resolve(None, cls.server_optimizer, key)
-    settings = [f"lr {value_text(opt.lr)}"] + [f"{k} {value_text(getattr(opt, k))}" for k in _used_settings(opt)]
+    used = _used_settings(opt)
+    settings = [f"lr {value_text(opt.lr)}"] + [f"{k} {value_text(getattr(opt, k))}" for k in used]
     line = f"{opt.name} ({', '.join(settings)})" + (": the plain mean" if opt.plain_mean else "")
-    if (opt.name, opt.lr) == (own.name, own.lr) and all(getattr(opt, k) == getattr(own, k) for k in _used_settings(opt)):
+    if [getattr(opt, k) for k in ("name", "lr", *used)] == [getattr(own, k) for k in ("name", "lr", *used)]:
         # (settings its step does not read do not count: an old config's betas beside sgd)
         return line + " (the method's own)", ""
     line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
