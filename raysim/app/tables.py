@@ -208,7 +208,7 @@ def _server_line(cls, server, key: str) -> tuple[str, str]:
         return line + " (the method's own)", ""
     line += f"; the method's own: {own.name} (lr {value_text(own.lr)})"
     return line, " ".join([opt.name] + ([f"lr {value_text(opt.lr)}"] if opt.lr != DEFAULT_LR[opt.name] else [])
-                          + [f"{name} {value_text(getattr(opt, name))}" for name in _used_settings(opt)
+                          + [f"{name} {value_text(getattr(opt, name))}" for name in used
                              if getattr(opt, name) != getattr(own, name)])
 
 
