@@ -1,0 +1,156 @@
+"""The simulated timeline of a buffered (asynchronous) federation: which clients are in flight,
+when each one's upload arrives, and when the server steps.
+
+The server keeps up to ``concurrency`` (C) clients training. Each trains from the model version
+it was dispatched with (the server steps taken by then) and arrives at its start plus its
+simulated duration, which the clock measured while it trained (compute on its device, download
+and upload). Arrivals are taken in simulated order, by (finish time, client id): ties break by
+client id, so the order never depends on which host answered first in real time. Once
+``buffer`` (K) uploads are in, the server steps (the version goes up by one) at the K-th one's
+finish time, and new clients are dispatched at that time to fill the free slots.
+
+An arrival staler than ``max_staleness`` server steps is dropped: it frees its slot but does
+not count towards K. When nothing is left in flight the server steps with the uploads it has
+(fewer than K). Only then may a step take fewer than K.
+
+A step can only be taken once every job in flight has its duration (all of them trained): the
+earliest arrival is not known before. That is what makes the run independent of real time.
+A client is never in flight twice, and a client dispatched at version v trains with the draws
+keyed as round v + 1: with C = K = clients per round and every client fresh, the draws are the
+synchronous round's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client's local training, dispatched at simulated time ``start`` with model ``version``."""
+
+    client: int
+    version: int
+    """Server steps taken when it was dispatched: the model version it trains from."""
+    start: float
+    """Simulated seconds at dispatch."""
+
+    @property
+    def round(self) -> int:
+        """The round its keyed draws (data order, dropout, augmentation) are keyed by: version + 1."""
+        return self.version + 1
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A job's upload reaching the server."""
+
+    job: Job
+    finish: float
+    """Simulated seconds at arrival: the job's start plus its duration."""
+    staleness: int
+    """Server steps taken between its dispatch and the step it is folded into (τ)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One server step: the arrivals folded into it (in arrival order) and those dropped as too stale."""
+
+    version: int
+    """The version the step produces (1, 2, ...; unchanged when every arrival was dropped)."""
+    time: float
+    """Simulated seconds at the step: the last folded (or dropped) arrival's finish."""
+    folded: tuple[Arrival, ...]
+    dropped: tuple[Arrival, ...] = ()
+
+
+class DispatchedTwice(ValueError):
+    """A client dispatched while it is still in flight."""
+
+
+@dataclass
+class Timeline:
+    """The driver's simulated clock of a buffered federation (module docstring)."""
+
+    concurrency: int
+    buffer: int
+    max_staleness: int | None = None
+    now: float = 0.0
+    version: int = 0
+    in_flight: dict[int, Job] = field(default_factory=dict)
+    durations: dict[int, float] = field(default_factory=dict)
+    """Client -> its in-flight job's simulated duration, once it trained."""
+
+    def __post_init__(self):
+        if not 1 <= self.buffer <= self.concurrency:
+            raise ValueError(f"buffer K = {self.buffer} must be between 1 and the concurrency C = {self.concurrency}")
+
+    @property
+    def free_slots(self) -> int:
+        return self.concurrency - len(self.in_flight)
+
+    def dispatch(self, clients) -> list[Job]:
+        """Start ``clients`` (in the order given) now, from the current version."""
+        clients = [int(c) for c in clients]
+        twice = next((c for i, c in enumerate(clients) if c in self.in_flight or c in clients[:i]), None)
+        if twice is not None:
+            raise DispatchedTwice(f"client {twice} is already in flight")
+        if len(clients) > self.free_slots:
+            raise ValueError(f"{len(clients)} clients dispatched with {self.free_slots} free slots")
+        jobs = [Job(c, self.version, self.now) for c in clients]
+        self.in_flight.update((j.client, j) for j in jobs)
+        return jobs
+
+    def trained(self, client: int, seconds: float) -> None:
+        """Record how long ``client``'s job takes in simulated seconds (its clock's figure)."""
+        if client not in self.in_flight:
+            raise KeyError(f"client {client} is not in flight")
+        if not seconds >= 0 or math.isinf(seconds):
+            raise ValueError(f"client {client}: a duration of {seconds} simulated seconds")
+        self.durations[client] = float(seconds)
+
+    @property
+    def waiting_on(self) -> list[int]:
+        """Clients in flight whose duration is not known yet (a step waits for them)."""
+        return sorted(c for c in self.in_flight if c not in self.durations)
+
+    def arrivals(self) -> list[Arrival]:
+        """Every in-flight job's arrival, in simulated order (finish, client); needs every duration."""
+        if self.waiting_on:
+            raise RuntimeError(f"clients {self.waiting_on} have not trained yet: their arrival is unknown")
+        out = [Arrival(j, j.start + self.durations[c], self.version - j.version) for c, j in self.in_flight.items()]
+        return sorted(out, key=lambda a: (a.finish, a.job.client))
+
+    def step(self) -> Step:
+        """Take arrivals in simulated order until ``buffer`` are folded (or nothing is left in
+        flight); the server steps at the last one's time. Their clients leave the flight."""
+        folded, dropped = [], []
+        for a in self.arrivals():
+            if len(folded) == self.buffer:
+                break
+            (dropped if self.max_staleness is not None and a.staleness > self.max_staleness else folded).append(a)
+        taken = folded + dropped
+        if not taken:
+            raise RuntimeError("no client is in flight: dispatch before stepping")
+        self.now = max(self.now, max(a.finish for a in taken))
+        for a in taken:
+            del self.in_flight[a.job.client]
+            del self.durations[a.job.client]
+        if folded:  # every arrival too stale: no update, no new version
+            self.version += 1
+        return Step(self.version, self.now, tuple(folded), tuple(sorted(dropped, key=lambda a: (a.finish, a.job.client))))
+
+    # ------------------------------------------------------------------ checkpoints
+    def export(self) -> dict:
+        """Plain data a checkpoint holds (the in-flight jobs re-dispatch from it deterministically)."""
+        return {"concurrency": self.concurrency, "buffer": self.buffer, "max_staleness": self.max_staleness,
+                "now": self.now, "version": self.version,
+                "in_flight": [[j.client, j.version, j.start] for j in self.in_flight.values()],
+                "durations": [[c, s] for c, s in self.durations.items()]}
+
+    @classmethod
+    def restore(cls, data: dict) -> "Timeline":
+        t = cls(data["concurrency"], data["buffer"], data["max_staleness"], data["now"], data["version"])
+        t.in_flight = {int(c): Job(int(c), int(v), float(s)) for c, v, s in data["in_flight"]}
+        t.durations = {int(c): float(s) for c, s in data["durations"]}
+        return t
