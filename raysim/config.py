@@ -164,8 +164,21 @@ class ProfilesConfig:
 
 
 @dataclass
+class SelectionConfig:
+    """Which online clients train in a round (raysim.core.selection), for any method: ``uniform``
+    (FedAvg's draw) or ``power_of_choice`` (Cho et al. 2022: m of d candidates, the highest local
+    losses). A method with its own ``select`` ignores it."""
+    kind: str = setting("uniform", one_of=("uniform", "power_of_choice"))
+    # power_of_choice: candidates per round (>= clients per round); null: 2m
+    d: int | None = setting(None, ge=1)
+    # power_of_choice: pow-d asks the candidates their loss of the global model; rpow-d ranks by their last training loss
+    variant: str = setting("pow-d", one_of=("pow-d", "rpow-d"))
+
+
+@dataclass
 class ClientsConfig:
     profiles: ProfilesConfig = field(default_factory=ProfilesConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     # a round's deadline in simulated seconds: a client whose simulated compute + transfer time
     # exceeds it is dropped from that round's aggregate (over-selection / deadline schemes); null: none
     deadline_s: float | None = setting(None, gt=0)

@@ -155,12 +155,23 @@ def ran(folder: str) -> Ran:
         out.server = "the method's own server step (no server optimizer)"
     else:
         out.server, out.server_changed = _server_line(out.cls, cfg.server, key)
-    if out.cls.select is Method.select:
-        out.selection = "uniform at random among the online clients"
-    else:  # its rule's settings are its hyperparameters (Power-of-Choice's d): all of them, defaults too
-        settings = [f"{f.name}={value_text(getattr(hp, f.name))}" for f in dataclasses.fields(hp)] if hp else []
-        out.selection = f"the method's own rule, with {', '.join(settings) or 'no settings'}"
+    out.selection = selection_text(out.cls, hp, cfg)
     return out
+
+
+def selection_text(cls, hp, cfg) -> str:
+    """Which clients trained: the method's own ``select``, or the selection it ran with."""
+    from raysim.core.contract import Method
+    from raysim.core.selection import from_config
+    if cls.select is not Method.select:
+        return "the method's own select"
+    try:
+        chosen = cls(hp, None).selection(from_config(cfg.clients.selection)) if hp is not None else None
+    except Exception:  # a method that cannot be built without a federation, or a refused combination
+        chosen = None
+    if chosen is None or chosen.kind == "uniform":
+        return "uniform at random among the online clients" if chosen is not None else "(not known here)"
+    return f"{chosen.describe()}, asking {chosen.asks}"
 
 
 def first_federation(folder: str) -> str:

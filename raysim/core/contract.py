@@ -7,8 +7,9 @@ bottom it is the paper's algorithm box:
 * ``build_model``       how it changes the network (norm swap, decomposed convs, ...);
 * ``personal_keys``     which state-dict entries never leave the client;
 * ``init_server``       the server's state (the global tensors, plus anything else it keeps);
-* ``select``            which online clients train in a round (uniform by default; it may ask the
-                        candidates for their local loss: :class:`SelectionContext`);
+* ``selection``         which online clients train in a round: the configured selection
+                        (``clients.selection``, :mod:`raysim.core.selection`) by default; a method
+                        may override ``select`` instead (one phase, no loss query);
 * ``broadcast`` / ``client_payload``  what every client / one client receives;
 * ``local_update``      the client step, on the client's model and its persistent ``state``;
 * ``local_loss``        (optional) the same step as a per-batch loss, so a host may train many
@@ -57,6 +58,7 @@ from torch import nn
 from raysim.core.aggregation import Aggregator, WeightedMean
 from raysim.core.errors import TrainingDiverged
 from raysim.core.hparams import Hparams
+from raysim.core.selection import Selection, SelectionContext  # noqa: F401  (SelectionContext: part of the contract)
 from raysim.core.server_optimizers import STATE_KEY as SERVER_OPTIMIZER_STATE
 from raysim.core.server_optimizers import resolve as resolve_server_optimizer
 from raysim.core.tensors import Tensors, cpu_copy, load_tensors
@@ -397,32 +399,6 @@ class UnseenClient:
         sgd_step(loss, *optimizers, clip=clip, max_norm=self.train.grad_clip if clip is not None else None)
 
 
-@dataclass
-class SelectionContext:
-    """What :meth:`Method.select` sees of a round, on the server (Flower's ``configure_train``).
-
-    ``local_losses`` sends the round's model to the clients asked (the payload each would train
-    from) and returns, in the order asked, each one's mean cross-entropy of that model over its
-    training data: eval mode, forward passes only, no augmentation (a client whose device cannot
-    hold the model answers nan). Their hosts compute it, and with client profiles the passes and
-    the download are charged to the simulated clock (the round's ``sim_select_s``: the slowest
-    answer); the downloads count in the round's ``bytes_down``. A select that never asks costs
-    nothing. To ask, the engine stops ``select`` (an exception it raises inside ``local_losses``:
-    never catch BaseException around it), fetches the losses and calls ``select`` again with a
-    fresh ``rng`` keyed the same: so ``select`` draws only from ``rng`` and never writes ``state``
-    (the server's state changes in ``aggregate``)."""
-    round: int  # 1-based
-    online: Sequence[int]  # the clients online this round, ascending (a range, an array or a list)
-    m: int  # clients per round (clients_per_round, or fraction x clients)
-    rng: Any  # numpy Generator keyed by (seed, round, server, "sample"): the selection's only randomness
-    num_train: Callable[[int], int]  # client id -> its training-set size n_k
-    ask: Callable[[list[int]], list[float]] = field(repr=False, default=None)  # the engine's loss query
-
-    def local_losses(self, client_ids: Sequence[int]) -> list[float]:
-        """Each listed (online) client's mean training loss of the model it would receive this round."""
-        return self.ask([int(c) for c in client_ids])
-
-
 # ----------------------------------------------------------------------------- the contract
 
 class Method:
@@ -473,13 +449,17 @@ class Method:
         personal = self.personal_keys(model)
         return {"global": cpu_copy({k: v for k, v in model.state_dict().items() if k not in personal})}
 
+    def selection(self, configured: Selection) -> Selection:
+        """The selection this method's rounds run with: the configured one (``clients.selection``:
+        uniform by default); Power-of-Choice's method returns its own."""
+        return configured
+
     def select(self, state: dict, ctx: SelectionContext) -> list[int]:
-        """The clients that train in round ``ctx.round`` (a subset of ``ctx.online``): ``ctx.m``
-        drawn uniformly without replacement, or every online client when there are no more."""
-        online = ctx.online
-        if ctx.m >= len(online):
-            return [int(c) for c in online]
-        return sorted(int(online[int(i)]) for i in ctx.rng.choice(len(online), size=ctx.m, replace=False))
+        """Override to choose a round's clients yourself (a subset of ``ctx.online``, drawn only from
+        ``ctx.rng``, ``state`` read, never written): the engine then calls this instead of the
+        selection. Not overridden, the engine runs :meth:`selection`; called directly, this is the
+        uniform draw."""
+        return Selection().choose(None, ctx, {})
 
     def broadcast(self, state: dict, round: int) -> dict:
         """The one payload every client of the round receives (``ray.put`` once)."""

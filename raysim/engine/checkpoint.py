@@ -51,6 +51,8 @@ def config_fingerprint(cfg) -> str:
     d.pop("tracking", None)
     if "server" in d and _default_server(d["server"], type(cfg.server)):
         d.pop("server")  # the fingerprint of every run before server optimizers existed
+    if d.get("clients", {}).get("selection") == dataclasses.asdict(type(cfg.clients.selection)()):
+        d["clients"].pop("selection")  # uniform: the fingerprint of every run before selections were a setting
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from raysim.core.aggregation import WeightedMean
-from raysim.core.contract import SelectionContext
+from raysim.core.contract import Method
+from raysim.core.selection import STATE_KEY as SELECTION_KEY, SelectionContext, from_config as selection_from_config
 from raysim.core.errors import UserError
 from raysim.engine.clock import read_trace
 from raysim.engine.federation import ClientDomains, Federation
@@ -29,8 +30,10 @@ class Server:
         the driver without its cause, and a user error must arrive as one clear line."""
         self.fed = Federation(self.cfg)
         self.method = self.fed.method
-        model = self.fed.initial_model()
-        self.state = self.method.init_server(model)
+        # which clients train: the method's own select, or the selection it runs with (clients.selection)
+        self.own_select = type(self.method).select is not Method.select
+        self.selection = self.method.selection(selection_from_config(self.cfg.clients.selection))
+        self.state = self._initial_state()
         self.n = self.fed.num_clients
         self.per_round = self._clients_per_round()
         # global / lodo protocols: the uniform mean of the last round's clients' personal tensors,
@@ -39,8 +42,15 @@ class Server:
         trace = self.cfg.clients.profiles.trace
         self.online_by_round = trace_by_round(read_trace(trace), self.n) if trace else None
         self.availability = level_availability(self.fed.setup.client_profiles)
-        self._answers, self._bytes_query = LocalLosses(), 0  # the round's loss queries (Method.select)
+        self._answers, self._bytes_query = LocalLosses(), 0  # the round's loss query (the selection's)
+        self._asked: tuple | None = None  # (context, candidates) between a selection's two phases
         return self.describe()
+
+    def _initial_state(self) -> dict:
+        """The method's initial server state, and the selection's where it keeps one."""
+        state = self.method.init_server(self.fed.initial_model())
+        kept = self.selection.init_state()
+        return state if kept is None else {**state, SELECTION_KEY: kept}
 
     def _clients_per_round(self) -> int:
         cfg = self.cfg
@@ -66,38 +76,39 @@ class Server:
 
     # ------------------------------------------------------------------ round
     def sample(self, rnd: int, answers: LocalLosses | None = None) -> list[int] | LossQuery:
-        """The round's clients (ascending), as the method's ``select`` picks them from those online
-        (client profiles' availability): by default ``clients_per_round`` drawn uniformly.
+        """The round's clients (ascending) from those online (client profiles' availability): the
+        method's own ``select``, or its selection (:mod:`raysim.core.selection`) in two phases.
 
-        Where ``select`` asks for local losses not fetched yet, a :class:`LossQuery` instead: the
-        driver has the hosts answer it and calls again with their ``answers`` (added to the round's
-        earlier ones); ``select`` then runs again from the same keyed generator."""
+        Where the selection needs the candidates' local losses, a :class:`LossQuery` first: the
+        driver has the hosts answer it and calls again with their ``answers``; the selection then
+        chooses, from the same generator."""
         if answers is None:  # the round's first call
-            self._answers, self._bytes_query = LocalLosses(), 0
+            online = self.online(rnd)
+            ctx = SelectionContext(round=rnd, online=online, m=self.per_round,
+                                   rng=rng_for(self.cfg.seed, rnd, SERVER, "sample"), num_train=self._num_train)
+            self._answers, self._bytes_query, self._asked = LocalLosses(), 0, None
+            if self.own_select:
+                return self._online_subset(rnd, online, self.method.select(self.state, ctx), "chose")
+            candidates = self.selection.candidates(self.state.get(SELECTION_KEY), ctx)
+            if candidates:
+                candidates = [int(c) for c in candidates]
+                self._online_subset(rnd, online, candidates, "asked for the local loss of")
+                self._asked = (ctx, candidates)
+                payload, personal, down = self._payloads(rnd, sorted(candidates), for_training=True)
+                self._bytes_query = down
+                return LossQuery(rnd, sorted(candidates), box(payload), personal)
+            losses = {}
         else:
-            self._answers = LocalLosses.combined([self._answers, answers])
-        online = self.online(rnd)
-        ctx = SelectionContext(round=rnd, online=online, m=self.per_round,
-                               rng=rng_for(self.cfg.seed, rnd, SERVER, "sample"), num_train=self._num_train,
-                               ask=lambda ids: self._losses(rnd, online, ids))
-        try:
-            chosen = self.method.select(self.state, ctx)
-        except _LossesNeeded as need:
-            payload, personal, down = self._payloads(rnd, need.clients, for_training=True)
-            self._bytes_query += down
-            return LossQuery(rnd, need.clients, box(payload), personal)
-        return self._online_subset(rnd, online, chosen, "chose")
+            if self._asked is None or self._asked[0].round != rnd:
+                raise RuntimeError(f"answers for round {rnd} without its loss query")
+            ctx, candidates = self._asked
+            self._answers = answers
+            losses = {c: answers.losses[c] for c in candidates}  # in the candidates' order
+        chosen = self.selection.choose(self.state.get(SELECTION_KEY), ctx, losses)
+        return self._online_subset(rnd, ctx.online, chosen, "chose")
 
     def _num_train(self, cid: int) -> int:
         return self.fed.partition.num_samples(int(cid), "train")
-
-    def _losses(self, rnd: int, online, ids: list[int]) -> list[float]:
-        """``SelectionContext.local_losses``: the answers fetched, or the query for the missing ones."""
-        self._online_subset(rnd, online, ids, "asked for the local loss of")
-        missing = sorted({c for c in ids if c not in self._answers.losses})
-        if missing:
-            raise _LossesNeeded(missing)
-        return [self._answers.losses[c] for c in ids]
 
     def _online_subset(self, rnd: int, online, ids, what: str) -> list[int]:
         """``ids`` ascending, checked to be distinct clients online in round ``rnd`` (what a plugin's
@@ -112,7 +123,8 @@ class Server:
             offline = next((c for c, p in zip(ids, pos.tolist()) if not len(arr) or arr[p] != c), None)
         if twice is not None or offline is not None:
             why = f"client {twice} twice" if twice is not None else f"client {offline}, not online"
-            raise UserError(f"method {self.method.name}: select {what} {why} in round {rnd}")
+            who = f"method {self.method.name}: select" if self.own_select else f"selection {self.selection.kind}:"
+            raise UserError(f"{who} {what} {why} in round {rnd}")
         return ids
 
     def online(self, rnd: int):
@@ -160,12 +172,15 @@ class Server:
         and sum the round up."""
         results = sorted(host_results, key=lambda r: r.host)
         uploads = self.method.aggregator.reduce([r.uploads for r in results])
+        metrics = {c: m for r in results for c, m in r.client_metrics.items()}
         if uploads.clients:  # the contract: aggregate only with uploads (all dropped: the state stays as it was)
             self.state = self.method.aggregate(self.state, uploads, rnd)
+            if SELECTION_KEY in self.state:  # the selection learns the aggregated clients' training losses
+                losses = {int(c): metrics[c]["loss"] for c in uploads.clients if "loss" in metrics.get(c, {})}
+                self.state = {**self.state, SELECTION_KEY: self.selection.observe(self.state[SELECTION_KEY], losses)}
         gathered = [r.personal_sums for r in results if r.personal_sums is not None]
         if gathered:
             self.personal_mean = WeightedMean().reduce(gathered).mean
-        metrics = {c: m for r in results for c, m in r.client_metrics.items()}
         clients = sorted(metrics)
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
         clock = {}
@@ -205,7 +220,7 @@ class Server:
 
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
-        self.state = self.method.init_server(self.fed.initial_model())
+        self.state = self._initial_state()
 
 
 def level_availability(profiles):
@@ -223,15 +238,6 @@ def trace_by_round(trace: set[tuple[int, int]], num_clients: int) -> dict[int, l
         if 0 <= client < num_clients:
             by_round.setdefault(rnd, []).append(client)
     return {rnd: sorted(clients) for rnd, clients in by_round.items()}
-
-
-class _LossesNeeded(BaseException):
-    """Raised inside ``select`` where it asks for local losses not fetched yet: ``sample`` turns it
-    into a LossQuery. A BaseException, so a ``select`` that catches Exception does not swallow it."""
-
-    def __init__(self, clients: list[int]):
-        super().__init__(clients)
-        self.clients = clients
 
 
 def _put(obj):

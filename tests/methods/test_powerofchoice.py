@@ -1,7 +1,7 @@
-"""Power-of-Choice's selection by hand (fixed losses, a generator whose draw is fixed), the engine's
-loss query (the hosts' answer is the eval-mode training loss of the global model, charged to the
-clock, and nothing is asked of a method that does not ask), and the default ``Method.select``:
-today's uniform draw, bit for bit."""
+"""Power-of-Choice's selection by hand (fixed losses, a generator whose draw is fixed) in its two
+phases, the engine's loss query (the hosts' answer is the eval-mode training loss of the global
+model, charged to the clock, and nothing is asked by a selection that does not ask), the selection
+with other methods and server steps, and the uniform selection: today's draw, bit for bit."""
 import math
 
 import numpy as np
@@ -10,16 +10,15 @@ import torch
 
 from raysim import testing
 from raysim.app.configs import load_checked
-from raysim.core.aggregation import Mean
-from raysim.core.contract import Method, SelectionContext
+from raysim.core.contract import Method
 from raysim.core.errors import UserError
 from raysim.core.seeding import SERVER, rng_for
+from raysim.core.selection import PowerOfChoice, SelectionContext
 from raysim.core.training import evaluate
 from raysim.engine.federation import Federation
 from raysim.engine.host import ClientHost
 from raysim.engine.messages import LossQuery
 from raysim.engine.server import Server
-from raysim.methods.powerofchoice import PowerOfChoice
 from tiny_models import Logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,73 +35,59 @@ class FixedDraw:
         return np.array(self.indices[:size])
 
 
-def context(online, m, rng, sizes, losses=None):
-    asked = []
-
-    def ask(ids):
-        if losses is None:
-            raise AssertionError("asked for losses")
-        asked.append(ids)
-        return [losses[c] for c in ids]
-    return SelectionContext(round=1, online=online, m=m, rng=rng, num_train=sizes.__getitem__, ask=ask), asked
-
-
-def poc(**hp):
-    return PowerOfChoice(PowerOfChoice.Hparams(**hp), testing.setup(num_clients=8))
+def select(selection, online, m, rng, sizes, losses=None, state=None):
+    """Both phases, as the server runs them: (the clients chosen, the clients asked)."""
+    ctx = SelectionContext(round=1, online=online, m=m, rng=rng, num_train=sizes.__getitem__)
+    asked = selection.candidates(state, ctx)
+    if asked and losses is None:
+        raise AssertionError("asked for losses")
+    return selection.choose(state, ctx, {c: losses[c] for c in asked}), asked
 
 
 def test_pow_d_draws_d_candidates_by_data_size_and_keeps_the_m_highest_losses():
     # online 1, 3, 4, 6, 7 with n_k 10, 20, 30, 40, 100 (sum 200): p = .05, .1, .15, .2, .5
     sizes = {1: 10, 3: 20, 4: 30, 6: 40, 7: 100}
     rng = FixedDraw([4, 1, 2, 0])  # A = {7, 3, 4, 1}, in that order
-    ctx, asked = context(np.array([1, 3, 4, 6, 7]), 2, rng, sizes, losses={7: 0.5, 3: 2.0, 4: 1.5, 1: 0.1})
-    method = poc(d=4)
-    assert method.select(method.init_server(method.build_model()), ctx) == [3, 4]  # losses 2.0 and 1.5
+    chosen, asked = select(PowerOfChoice(d=4), np.array([1, 3, 4, 6, 7]), 2, rng, sizes,
+                           losses={7: 0.5, 3: 2.0, 4: 1.5, 1: 0.1})
+    assert chosen == [3, 4]  # losses 2.0 and 1.5
     assert rng.calls == [{"a": 5, "size": 4, "replace": False, "p": pytest.approx([0.05, 0.1, 0.15, 0.2, 0.5])}]
-    assert asked == [[7, 3, 4, 1]]  # one query, of the candidates only
+    assert asked == [7, 3, 4, 1]  # one query, of the candidates only, in their drawn order
 
 
 def test_equal_losses_keep_the_draw_order_and_a_client_that_cannot_answer_ranks_last():
     sizes = dict.fromkeys(range(5), 1)
-    method = poc(d=4)
-    state = method.init_server(method.build_model())
-    ctx, _ = context(range(5), 2, FixedDraw([3, 0, 4, 2]), sizes, losses={3: 1.0, 0: 1.0, 4: 1.0, 2: 1.0})
-    assert method.select(state, ctx) == [0, 3]  # the first two drawn: the draw breaks the tie
-    ctx, _ = context(range(5), 2, FixedDraw([3, 0, 4, 2]), sizes, losses={3: math.nan, 0: 0.2, 4: 0.1, 2: 0.3})
-    assert method.select(state, ctx) == [0, 2]
+    sel = PowerOfChoice(d=4)
+    losses = {3: 1.0, 0: 1.0, 4: 1.0, 2: 1.0}
+    assert select(sel, range(5), 2, FixedDraw([3, 0, 4, 2]), sizes, losses)[0] == [0, 3]  # the draw breaks the tie
+    losses = {3: math.nan, 0: 0.2, 4: 0.1, 2: 0.3}
+    assert select(sel, range(5), 2, FixedDraw([3, 0, 4, 2]), sizes, losses)[0] == [0, 2]
 
 
 def test_rpow_d_ranks_by_the_last_reported_loss_and_never_asks():
-    method = poc(d=4, variant="rpow-d")
-    state = {**method.init_server(method.build_model()), "last_loss": {0: 0.3, 1: 0.9, 2: 0.5, 4: 5.0}}
-    ctx, _ = context(range(5), 2, FixedDraw([0, 1, 2, 3]), dict.fromkeys(range(5), 1), losses=None)
-    assert method.select(state, ctx) == [1, 3]  # client 3 never trained: it comes first; then 1 (0.9)
-    # its losses: the mean training loss each client uploads, kept per client across rounds
-    upload = method.upload(testing.client_context(method, method.build_model()), {"loss": 0.7, "steps": 1})
-    assert upload.extras == {"loss": 0.7}
-    new = method.aggregate(state, Mean({}, 1.0, [3], {3: upload.extras}), 2)
-    assert new["last_loss"] == {0: 0.3, 1: 0.9, 2: 0.5, 4: 5.0, 3: 0.7}
-    pow_d = poc()
-    assert pow_d.upload(testing.client_context(pow_d, pow_d.build_model()), {"loss": 0.7, "steps": 1}).extras == {}
+    sel = PowerOfChoice(d=4, variant="rpow-d")
+    state = {"last_loss": {0: 0.3, 1: 0.9, 2: 0.5, 4: 5.0}}
+    chosen, asked = select(sel, range(5), 2, FixedDraw([0, 1, 2, 3]), dict.fromkeys(range(5), 1), state=state)
+    assert (chosen, asked) == ([1, 3], [])  # client 3 never trained: it comes first; then 1 (0.9)
+    # its losses: the aggregated clients' mean training loss, kept per client across rounds
+    assert sel.init_state() == {"last_loss": {}} and PowerOfChoice().init_state() is None
+    assert sel.observe(state, {3: 0.7, 1: 0.2})["last_loss"] == {0: 0.3, 1: 0.2, 2: 0.5, 4: 5.0, 3: 0.7}
 
 
 def test_d_below_m_is_a_one_line_error_and_d_above_the_online_clients_is_clamped():
-    method = poc(d=2)
-    ctx, _ = context(range(5), 3, FixedDraw([0, 1, 2]), dict.fromkeys(range(5), 1), losses={})
-    with pytest.raises(UserError, match=r"^hp.powerofchoice.d = 2 is below the 3 clients per round") as err:
-        method.select({}, ctx)
+    with pytest.raises(UserError, match=r"^clients.selection.d = 2 is below the 3 clients per round") as err:
+        select(PowerOfChoice(d=2), range(5), 3, FixedDraw([0, 1, 2]), dict.fromkeys(range(5), 1), losses={})
     assert "\n" not in str(err.value)
     rng = FixedDraw([3, 1, 0, 2])
-    ctx, asked = context([2, 5, 6, 9], 2, rng, dict.fromkeys([2, 5, 6, 9], 1), losses={9: 3, 5: 2, 2: 1, 6: 0})
-    assert poc(d=10).select({}, ctx) == [5, 9] and rng.calls[0]["size"] == 4 and asked == [[9, 5, 2, 6]]
+    chosen, asked = select(PowerOfChoice(d=10), [2, 5, 6, 9], 2, rng, dict.fromkeys([2, 5, 6, 9], 1),
+                           losses={9: 3, 5: 2, 2: 1, 6: 0})
+    assert chosen == [5, 9] and rng.calls[0]["size"] == 4 and asked == [9, 5, 2, 6]
     # the default d is 2m; with m or fewer online every one trains: nothing drawn, nothing asked
     rng = FixedDraw([0, 1, 2, 3, 4])
-    ctx, _ = context(range(5), 2, rng, dict.fromkeys(range(5), 1), losses=dict.fromkeys(range(5), 0.0))
-    poc().select({}, ctx)
+    select(PowerOfChoice(), range(5), 2, rng, dict.fromkeys(range(5), 1), losses=dict.fromkeys(range(5), 0.0))
     assert rng.calls[0]["size"] == 4
     rng = FixedDraw([])
-    ctx, _ = context([1, 4], 2, rng, {}, losses=None)
-    assert poc().select({}, ctx) == [1, 4] and rng.calls == []
+    assert select(PowerOfChoice(), [1, 4], 2, rng, {}) == ([1, 4], []) and rng.calls == []
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -132,6 +117,52 @@ def test_the_hosts_answer_the_global_models_training_loss_on_any_layout(tmp_path
     one = testing.run_rounds("powerofchoice", tmp_path / "one", *args, "runtime.num_hosts=1")
     two = testing.run_rounds("powerofchoice", tmp_path / "two", *args, "runtime.num_hosts=2")
     assert one.equals(two) and set(one[(one.split == "train") & (one.client >= 0)].client) == {worst}
+
+
+@pytest.mark.parametrize("method", ["fedprox", "fedadam"])
+def test_power_of_choice_selects_for_any_method_and_server_step(method, tmp_path, ray_session):
+    """clients.selection: the worst-fitting of 3 candidates trains, with FedProx's step or FedAdam's
+    server step, as with the powerofchoice method (the same answers: the same initial model)."""
+    args = ("clients_per_round=1", "rounds=1")
+    poc = testing.run_rounds("powerofchoice", tmp_path / "poc", *args, "hp.powerofchoice.d=3")
+    other = testing.run_rounds(method, tmp_path / method, *args, "clients.selection.kind=power_of_choice",
+                               "clients.selection.d=3")
+    trained = [set(df[(df.split == "train") & (df.client >= 0)].client) for df in (poc, other)]
+    assert trained[0] == trained[1] and len(trained[0]) == 1
+    with pytest.raises(UserError, match="method powerofchoice is FedAvg with Power-of-Choice's selection"):
+        testing.run_rounds("powerofchoice", tmp_path / "both", *args, "clients.selection.kind=power_of_choice")
+
+
+def old_pow_d(server, rnd, answers):
+    """Power-of-Choice's pow-d select before the two phases (raysim e0c19f0 .. 27b68c0): run once to
+    draw the candidates, again with their answers from a fresh generator keyed the same."""
+    online, m, d = server.online(rnd), server.per_round, 2 * server.per_round
+    if m >= len(online):
+        return [int(c) for c in online]
+    n_k = np.array([server.fed.partition.num_samples(c, "train") for c in online], dtype=np.float64)
+    rng = rng_for(server.cfg.seed, rnd, SERVER, "sample")
+    drawn = [int(online[int(i)]) for i in rng.choice(len(online), size=min(d, len(online)), replace=False,
+                                                     p=n_k / n_k.sum())]
+    order = sorted(range(len(drawn)), key=lambda i: -answers[drawn[i]])
+    return sorted(drawn[i] for i in order[:m])
+
+
+def test_two_phases_give_the_old_pow_d_draws_bit_for_bit(ray_session):
+    raw = {**testing.TINY, "method": "powerofchoice", "clients_per_round": 2, "seed": 5,
+           "data": {**testing.TINY["data"], "partition": {"kind": "per_domain", "train_size": 4,
+                                                          "clients_per_domain": 3, "domains": ["mnist", "usps"]}}}
+    cfg = load_checked(raw=raw)
+    server, host = Server(cfg), ClientHost(0, cfg, num_hosts=1, gpu_ids=[])
+    server.start()
+    host.start()
+    chosen = []
+    for rnd in range(1, 9):
+        query = server.sample(rnd)
+        answers = host.local_losses(rnd, query.payload, query.clients, query.personal)
+        new = server.sample(rnd, answers)
+        assert new == old_pow_d(server, rnd, answers.losses)
+        chosen.append(tuple(new))
+    assert len(set(chosen)) > 2  # drawn, not fixed
 
 
 def test_the_query_is_charged_to_the_clock_and_a_method_that_does_not_ask_pays_nothing(tmp_path, ray_session,
@@ -216,19 +247,21 @@ def test_a_select_that_returns_an_offline_or_repeated_client_is_a_one_line_error
         testing.run_rounds("select_offline", tmp_path / "offline", "rounds=1")
 
 
-# ----------------------------------------------------------------------------- rpow-d's uploaded loss
+# ----------------------------------------------------------------------------- rpow-d's loss
 
-def test_rpow_d_uploads_the_mean_of_its_batch_losses_over_several_steps():
+def test_rpow_d_learns_the_mean_of_its_batch_losses_over_several_steps():
     """Plain SGD at lr 1 on batches of one class-0 example, the logits b starting at (0, 0):
     losses ln 2, then ln(1 + 1/e) at b = (1/2, -1/2), then ln(1 + e^-(1 + 2s)) at
     b = (1/2 + s, -1/2 - s), s = 1 / (1 + e). A client of 3 batches uploads their mean, one of 1
-    batch ln 2, alone and in a client cohort (two clients, one stopping after its first step)."""
+    batch ln 2, alone and in a client cohort (two clients, one stopping after its first step): the
+    loss it reports, which rpow-d's selection learns."""
     from raysim.engine.cohort import CohortClient, run_cohort
 
     s = 1 / (1 + math.e)
     three = [math.log(2), math.log(1 + 1 / math.e), math.log(1 + math.exp(-(1 + 2 * s)))]
     expected = {0: sum(three) / 3, 1: math.log(2)}  # the sums would be 1.38 and 0.69
-    method = poc(variant="rpow-d")
+    from raysim.methods.powerofchoice import PowerOfChoice as PowerOfChoiceMethod
+    method = PowerOfChoiceMethod(PowerOfChoiceMethod.Hparams(variant="rpow-d"), testing.setup(num_clients=8))
     model = Logits()
     one = (torch.zeros(1, 1), torch.tensor([0]))
     data = {0: testing.fixed_batches(one, one, one), 1: testing.fixed_batches(one)}
@@ -238,9 +271,11 @@ def test_rpow_d_uploads_the_mean_of_its_batch_losses_over_several_steps():
             model.b.zero_()
         return testing.client_context(method, model, data[k], client_id=k,
                                       train={"epochs": 1, "batch_size": 1, "lr": 1.0})
-    alone = {k: method.local_update(start(k)).extras["loss"] for k in (0, 1)}
+    ups = {k: method.local_update(start(k)) for k in (0, 1)}
+    alone = {k: up.metrics["loss"] for k, up in ups.items()}
+    assert {up.weight for up in ups.values()} == {1.0}  # step 4: the equal mean
     assert alone == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
     together = {}
     run_cohort(method, model, [CohortClient(lambda k=k: start(k)) for k in (0, 1)],
-               lambda ctx, up, macs: together.update({ctx.client_id: up.extras["loss"]}))
+               lambda ctx, up, macs: together.update({ctx.client_id: up.metrics["loss"]}))
     assert together == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
