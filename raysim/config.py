@@ -80,6 +80,9 @@ class EvalConfig:
     # validation accuracies: FDSE's code), "test" (best test AVG: peeks at the test split, as DapperFL
     # reports), "final" (the last round)
     select: str = setting("val", one_of=SELECT_RULES)
+    # also evaluate whenever the simulated clock (client profiles) passed another multiple of this many
+    # seconds since the last evaluation: curves against simulated hours at a fixed resolution; null: off
+    every_s: float | None = setting(None, gt=0)
     # unseen clients (lodo targets): run the method's label-free adaptation on the client's unlabeled
     # test data before evaluating it (FedBN: BN statistics; FDSE: Alg. 3); false: the model as built
     adapt: bool = True
@@ -173,6 +176,36 @@ class SelectionConfig:
     d: int | None = setting(None, ge=1)
     # power_of_choice: pow-d asks the candidates their loss of the global model; rpow-d ranks by their last training loss
     variant: str = setting("pow-d", one_of=("pow-d", "rpow-d"))
+
+
+@dataclass
+class ScheduleConfig:
+    """How the server steps (raysim.engine.timeline). ``rounds``: synchronous rounds, every sampled
+    client of a round folded into one step. ``buffered``: asynchronous on the simulated clock (client
+    profiles give each client's duration): ``concurrency`` clients train at once, each from the model
+    version it was dispatched with; the server steps after every ``buffer`` arrivals (FedBuff's K),
+    each upload's delta weighted by its staleness s(τ); new clients are dispatched at each step."""
+    # null: the method's (rounds; buffered for fedbuff and fedasync)
+    kind: str | None = setting(None, one_of=("rounds", "buffered"),
+                               source="null: the method's (buffered for fedbuff and fedasync, rounds for the others)")
+    concurrency: int | None = setting(None, ge=1)  # C, clients in flight; null: clients_per_round
+    # K, arrivals per server step; null: the method's (FedBuff's 10, FedAsync's 1), at most C
+    buffer: int | None = setting(None, ge=1, source="null: the method's: FedBuff's K = 10 (Nguyen et al. 2022), "
+                                 "FedAsync's 1 (every arrival); at most the concurrency")
+    # s(τ): sqrt (FedBuff), constant, polynomial (1+τ)^-a, hinge (b, a); null: the method's (raysim.core.staleness)
+    staleness: str | None = setting(None, one_of=("sqrt", "constant", "polynomial", "hinge"))
+    staleness_a: float | None = setting(None, gt=0)  # a of polynomial and hinge; null: the method's
+    staleness_b: float | None = setting(None, ge=0)  # b of hinge; null: the method's
+    max_staleness: int | None = setting(None, ge=0)  # arrivals staler than this are dropped; null: none
+    # availability in simulated time: a client's online draw (or a trace's round r) holds for slot r of this many seconds
+    slot_s: float = setting(60.0, gt=0)
+
+
+@dataclass
+class StopConfig:
+    """Stop a federation early on the simulated clock (client profiles): after the step (round) at
+    which it reaches ``sim_hours`` simulated hours; null: at ``rounds``."""
+    sim_hours: float | None = setting(None, gt=0)
 
 
 @dataclass
@@ -313,6 +346,8 @@ class ExperimentConfig:
     clients: ClientsConfig = field(default_factory=ClientsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)

@@ -160,6 +160,7 @@ def server_step_table(cls) -> str:
 
 
 def method_markdown(name: str) -> str:
+    from raysim.core.buffered import refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cls = registry.get(name)  # UserError naming the available methods
@@ -174,6 +175,10 @@ def method_markdown(name: str) -> str:
             + (f"yes: {cls.exchanges}" if cls.exchanges else "no (nothing beyond the model)"), ""]
     out += ["**Client cohorts** (`runtime.cohort_size`): " + ("yes: its step is a per-batch loss (`local_loss`)"
             if cohort_ready(cls) else "no: its clients train one by one"), ""]
+    why = refusal(cls)
+    out += ["**Buffered schedule** (`schedule.kind: buffered`): "
+            + (f"no: {why}" if why else ("yes, its default" if cls.schedule == "buffered" else "yes")
+               + f" (K = {cls.buffer or 10}, staleness weight {cls.staleness.kind})"), ""]
     rows = hparam_rows(cls)
     out += [f"## Hyperparameters (`hp.{key}.<name>`)", ""]
     if rows:
@@ -197,6 +202,7 @@ def _short_configs(name: str, paths: list[str], most: int = 4) -> str:
 
 
 def catalog_markdown() -> str:
+    from raysim.core.buffered import refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cfgs = configs_by_method()
@@ -206,12 +212,13 @@ def catalog_markdown() -> str:
             cls = registry.get(name)
         except Exception as err:  # an optional method that fails to import: list it, say why
             rows.append([name, f"(cannot import: {first_line(err)})",
-                         "", "", "", ""])
+                         "", "", "", "", ""])
             continue
+        buffered = "default" if cls.schedule == "buffered" else "no" if refusal(cls) else "yes"
         rows.append([name, cls.paper or "–", shares_line(name, cls), "yes" if cls.exchanges else "no",
-                     "yes" if cohort_ready(cls) else "no", _short_configs(name, cfgs.get(name, []))])
-    return markdown_table(["method", "paper", "shares / keeps", "exchanges data stats", "cohorts", "configs"],
-                          rows) + "\n"
+                     "yes" if cohort_ready(cls) else "no", buffered, _short_configs(name, cfgs.get(name, []))])
+    return markdown_table(["method", "paper", "shares / keeps", "exchanges data stats", "cohorts", "buffered",
+                           "configs"], rows) + "\n"
 
 
 def methods(name: str | None = None) -> str:

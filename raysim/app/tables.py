@@ -155,8 +155,24 @@ def ran(folder: str) -> Ran:
         out.server = "the method's own server step (no server optimizer)"
     else:
         out.server, out.server_changed = _server_line(out.cls, cfg.server, key)
-    out.selection = selection_text(out.cls, hp, cfg)
+    out.selection = selection_text(out.cls, hp, cfg) + schedule_text(out.cls, cfg)
     return out
+
+
+def schedule_text(cls, cfg) -> str:
+    """``""`` for synchronous rounds; a buffered schedule's C, K and s(τ) otherwise."""
+    from dataclasses import replace
+    s = cfg.schedule
+    if (s.kind or cls.schedule) != "buffered":
+        return ""
+    staleness = replace(cls.staleness, **{k: v for k, v in (("kind", s.staleness), ("a", s.staleness_a),
+                                                              ("b", s.staleness_b)) if v is not None})
+    c = s.concurrency or cfg.clients_per_round
+    k = s.buffer or min(cls.buffer or 10, c or 10)
+    params = {"polynomial": f", a {value_text(staleness.a)}", "hinge": f", a {value_text(staleness.a)}, b {value_text(staleness.b)}"}
+    stale = f"; arrivals over {s.max_staleness} steps stale dropped" if s.max_staleness is not None else ""
+    return (f"; buffered (asynchronous): {c if c else 'every'} clients in flight, a server step every {k} "
+            f"arrival{'s' if k != 1 else ''}, staleness weight {staleness.kind}{params.get(staleness.kind, '')}{stale}")
 
 
 def selection_text(cls, hp, cfg) -> str:

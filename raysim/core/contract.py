@@ -56,11 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysim.core.aggregation import Aggregator, WeightedMean
+from raysim.core.buffered import BufferedUploads, step_target
 from raysim.core.errors import TrainingDiverged
 from raysim.core.hparams import Hparams
 from raysim.core.selection import Selection, SelectionContext  # noqa: F401  (SelectionContext: part of the contract)
 from raysim.core.server_optimizers import STATE_KEY as SERVER_OPTIMIZER_STATE
 from raysim.core.server_optimizers import resolve as resolve_server_optimizer
+from raysim.core.staleness import Staleness
 from raysim.core.tensors import Tensors, cpu_copy, load_tensors
 
 _TRAIN_MAX_STEPS = object()  # ClientContext.batches: "train.max_steps"
@@ -417,6 +419,14 @@ class Method:
     # the server optimizer of the default aggregate when the config names none (server.optimizer):
     # "sgd" (at server.lr 1, the plain mean); FedAvgM, FedAdam, ... (methods/fedopt.py) set theirs
     server_optimizer: ClassVar[str] = "sgd"
+    # how the server steps when the config names no schedule (schedule.kind): synchronous "rounds",
+    # or "buffered" (FedBuff, FedAsync); with it the buffer K (None: FedBuff's 10) and the staleness
+    # weight s(τ) of a buffered step (raysim.core.buffered; a method may run buffered when
+    # raysim.core.buffered.refusal finds nothing against it)
+    schedule: ClassVar[str] = "rounds"
+    buffer: ClassVar[int | None] = None
+    buffer_fixed: ClassVar[bool] = False  # K is part of the method (FedAsync's 1): schedule.buffer may not change it
+    staleness: ClassVar[Staleness] = Staleness("sqrt")
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp
@@ -489,6 +499,17 @@ class Method:
         if opt.plain_mean:
             return {**state, "global": {**state["global"], **uploads.mean}}
         new, opt_state = opt.update(state["global"], uploads.mean, state.get(SERVER_OPTIMIZER_STATE))
+        return {**state, "global": new, SERVER_OPTIMIZER_STATE: opt_state}
+
+    def buffered_step(self, state: dict, uploads: BufferedUploads, step: int) -> dict:
+        """The server step of a buffered schedule (FedBuff's): the server optimizer steps along
+        Δ̄ = Σ w_i s(τ_i) Δ_i / Σ w_i (:mod:`raysim.core.buffered`), as :meth:`aggregate` steps
+        along a round's mean update; SGD at η = 1 adds Δ̄."""
+        opt = resolve_server_optimizer(getattr(self.setup, "server", None), self.server_optimizer, self.name)
+        target = step_target(state["global"], uploads)
+        if opt.plain_mean:
+            return {**state, "global": {**state["global"], **target}}
+        new, opt_state = opt.update(state["global"], target, state.get(SERVER_OPTIMIZER_STATE))
         return {**state, "global": new, SERVER_OPTIMIZER_STATE: opt_state}
 
     def client_footprint(self, client_id: int, dense: dict) -> dict:

@@ -53,6 +53,11 @@ def config_fingerprint(cfg) -> str:
         d.pop("server")  # the fingerprint of every run before server optimizers existed
     if d.get("clients", {}).get("selection") == dataclasses.asdict(type(cfg.clients.selection)()):
         d["clients"].pop("selection")  # uniform: the fingerprint of every run before selections were a setting
+    for key, cls in (("schedule", type(cfg.schedule)), ("stop", type(cfg.stop))):
+        if d.get(key) == dataclasses.asdict(cls()):
+            d.pop(key)  # the defaults: the fingerprint of every run before schedules existed
+    if d.get("eval", {}).get("every_s", 0) is None:
+        d["eval"].pop("every_s")
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -34,6 +34,7 @@ from raysim.engine.federation import Federation
 from raysim.core.training import evaluate
 from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, TrainedClients, client_payload,
                                     unbox)
+from raysim.core.buffered import delta_upload
 from raysim.core.seeding import generator_for
 from raysim.engine.store import ClientStateStore, state_nbytes
 from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
@@ -137,6 +138,10 @@ class ClientHost:
         self.store = ClientStateStore(rt.state_memory_mb * 2**20, spill,
                                       device_budget_bytes=rt.device_state_mb * 2**20 if self._state_device else 0)
         self._partial: PartialRound | None = None  # the round's running result (train_clients .. end_round)
+        # buffered schedule: each trained job in flight, (its delta upload, its client's new record,
+        # metrics, bytes sent), until the server step that folds (or drops) it; the record is stored
+        # only then, so a checkpoint between holds the record the job trained from
+        self._jobs: dict[int, tuple] = {}
         self.evaluator = Evaluator(cfg, self.fed, self.model, self._init_sd, self.data, self.device, self._record)
         return self.ready()
 
@@ -318,6 +323,64 @@ class ClientHost:
         return HostRoundResult(host=self.host_id, uploads=uploads, personal_sums=personal_sums,
                                client_metrics=partial.client_metrics, bytes_up=partial.bytes_up,
                                bytes_up_eval=eval_bytes, seconds=partial.seconds)
+
+    # ------------------------------------------------------------------ buffered schedule
+    def train_jobs(self, jobs: list[tuple[int, int]], payloads: dict[int, list]) -> dict[int, float]:
+        """Train each (client, version) job (ascending client) from its version's payload, its
+        draws keyed as round version + 1, and keep its delta upload (raysim.core.buffered) until
+        :meth:`fold`; returns each job's simulated duration (the clock's compute and transfer)."""
+        t0 = time.perf_counter()
+        on_device, durations = {}, {}
+        for cid, version in sorted(jobs):
+            if version not in on_device:  # each version's payload to the device once per call
+                on_device[version] = to_device(unbox(payloads[version]), self.device, what="payload")
+            mine, rnd = on_device[version], version + 1
+            if not self.clock.fits(cid):  # it cannot train this model: arrives with nothing to fold
+                self._jobs[cid] = (None, self._record(cid), ClientClock.dropped_metrics(), 0)
+                durations[cid] = 0.0
+                continue
+            with keep_state_on(self._state_device):
+                record = self._record(cid)
+                self.method.load_client_model(self.model, mine, record["state"])
+                ctx = self._context(cid, rnd, mine, record["state"])
+                with ComputeMeter() as meter, dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout",
+                                                                              self.device)):
+                    up = self.method.local_update(ctx)
+                record = {"state": ctx.state}
+                if self.cfg.eval.point == "post_train":
+                    record["trained"] = self.method.post_train_state(ctx)
+            sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
+            metrics = dict(up.metrics)
+            metrics.update(self.clock.round_metrics(cid, meter.macs, tensors_nbytes(mine), sent))
+            delta = Upload(delta_upload(up.tensors, mine["global"]), up.weight)
+            self._jobs[cid] = (delta, record, metrics, sent)
+            durations[cid] = metrics["sim_seconds"]
+        self._job_seconds = getattr(self, "_job_seconds", 0.0) + time.perf_counter() - t0
+        return durations
+
+    def fold(self, rnd: int, folded: list[tuple[int, float, int]], dropped: list[tuple[int, int]]) -> HostRoundResult:
+        """Server step ``rnd``'s share of this host: the listed jobs' records stored, their delta
+        uploads folded with weight w_i × s(τ_i) (``folded``: (client, s(τ), τ)); ``dropped``:
+        (client, τ) of arrivals too stale to fold (their records are stored all the same)."""
+        partial = self.method.aggregator.start()
+        metrics, weights, bytes_up = {}, {}, 0
+        for cid, scale, tau in sorted(folded):
+            up, record, m, sent = self._jobs.pop(cid)
+            self.store.put(cid, record)
+            metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 0.0}
+            bytes_up += sent
+            if up is not None:
+                self.method.aggregator.add(partial, cid, Upload(up.tensors, up.weight * scale))
+                weights[cid] = up.weight
+        for cid, tau in sorted(dropped):
+            up, record, m, sent = self._jobs.pop(cid)
+            self.store.put(cid, record)
+            metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 1.0, "completed": 0.0}
+            bytes_up += sent
+        seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0
+        return HostRoundResult(host=self.host_id, uploads=self.method.aggregator.leave_device(partial),
+                               personal_sums=None, client_metrics=metrics, bytes_up=bytes_up,
+                               seconds=seconds, weights=weights)
 
     def export_records(self, client_ids: list[int]) -> dict[int, dict]:
         """The stored records of those listed clients that have one, for another host to train them."""

@@ -30,7 +30,7 @@ from raysim.engine import checkpoint, runstate
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
-from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
+from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, StepPlan, TrainedClients, TrainJobs, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
@@ -99,6 +99,8 @@ class FederationRun:
         # runtime.balance: how a round's clients are spread over the hosts (raysim.engine.balance)
         self.plan = plan_for(cfg)
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
+        self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
+        self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -124,6 +126,7 @@ class FederationRun:
             self.num_hosts, _ = host_layout(cfg.runtime, self.n)
             self._start_hosts()
             self.domain_of = self.info["client_domains"].__getitem__
+            self.buffered = self.info.get("buffered", False)
             self.requests = eval_requests(cfg, eval_clients(cfg, self.n), self.info)
             rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
             startup = time.perf_counter() - t_start
@@ -146,8 +149,10 @@ class FederationRun:
                 self.watchdog.observe(round_seconds[-1])
                 for cb in self.callbacks:
                     cb.on_round(rnd, summary, evaluation, self.log)
+                if self._time_is_up():  # stop.sim_hours reached: the federation is done
+                    break
                 rnd += 1
-            rnd = cfg.rounds
+            rnd = min(rnd, cfg.rounds)
             _write_status(self.run_dir, cfg, finished=True, rounds=rnd, startup_seconds=startup,
                           round_seconds=round_seconds, host_restarts=self.host_restarts,
                           server_restarts=self.server_restarts)
@@ -256,9 +261,38 @@ class FederationRun:
             self.backend.kill(self.server)
             self.server = None
 
-    # ------------------------------------------------------------------ one round
+    # ------------------------------------------------------------------ one round (or server step)
     def _round(self, rnd: int) -> tuple[RoundSummary, dict | None]:
-        cfg, server = self.cfg, self.server
+        """Round ``rnd`` (a buffered schedule's server step ``rnd``): its training, the simulated
+        clock's time, its evaluation when due, and its metrics rows."""
+        summary = self._buffered_step(rnd) if self.buffered else self._synchronous_round(rnd)
+        before = self.sim_time
+        if "sim_time" in summary.clock:  # a buffered step's time on the timeline
+            self.sim_time = summary.clock["sim_time"]
+        elif "sim_round_s" in summary.clock:  # rounds one after another
+            self.sim_time += summary.clock["sim_round_s"]
+            summary.clock["sim_time"] = self.sim_time
+        results = self._evaluate(rnd) if self._eval_due(rnd, before) else None
+        # metrics only once the whole round succeeded, so a replayed round never logs twice
+        self.log.add_round(rnd, summary, self.domain_of)
+        evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
+        return summary, evaluation
+
+    def _eval_due(self, rnd: int, before: float) -> bool:
+        """Every ``eval.every`` rounds, the last, the one that reaches ``stop.sim_hours``, and each
+        that passes another multiple of ``eval.every_s`` simulated seconds."""
+        e = self.cfg.eval
+        if rnd % e.every == 0 or rnd == self.cfg.rounds or self._time_is_up():
+            return True
+        return e.every_s is not None and self.sim_time // e.every_s > before // e.every_s
+
+    def _time_is_up(self) -> bool:
+        """The simulated clock reached ``stop.sim_hours``."""
+        hours = self.cfg.stop.sim_hours
+        return hours is not None and self.sim_time >= hours * 3600
+
+    def _synchronous_round(self, rnd: int) -> RoundSummary:
+        server = self.server
         self.doing = f"round {rnd}"
         sampled = self._call(server.sample.remote(rnd))
         while isinstance(sampled, LossQuery):  # the method's select asked for the candidates' local losses
@@ -273,21 +307,46 @@ class FederationRun:
             futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
         summary: RoundSummary = self._call(server.aggregate.remote(rnd, *futures))
         self._call(returned)  # moved clients' records are back on their owners before anyone reads them
-        results = None
-        if rnd % cfg.eval.every == 0 or rnd == cfg.rounds:
-            personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
-            payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests) if personalized else [],
-                                                                       False))
-            futures = [self.hosts[h].evaluate.remote(rnd, payload_box, {c: self.requests[c] for c in cids},
-                                                     cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
-                       for h, cids in split_by_host(self.requests, self.owner).items()]
-            results = {}
-            for host_scores in self._call(futures):
-                results.update(host_scores)
-        # metrics only once the whole round succeeded, so a replayed round never logs twice
-        self.log.add_round(rnd, summary, self.domain_of)
-        evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
-        return summary, evaluation
+        return summary
+
+    def _buffered_step(self, rnd: int) -> RoundSummary:
+        """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the free slots
+        dispatched at the last step's simulated time, every job whose duration is unknown trained
+        (all hosts at once, each on its client's owner), then the step's arrivals taken in
+        simulated order and folded. Nothing here depends on which host answers first."""
+        server = self.server
+        self.doing = f"server step {rnd}"
+        work: TrainJobs = self._call(server.dispatch.remote())
+        version = dict(work.jobs)
+        futures = [self.hosts[h].train_jobs.remote([(c, version[c]) for c in cids],
+                                                   {v: work.payloads[v] for v in {version[c] for c in cids}})
+                   for h, cids in split_by_host(sorted(version), self.owner).items()]
+        durations = {}
+        for part in self._call(futures):
+            durations.update(part)
+        plan: StepPlan = self._call(server.step.remote(durations))
+        folded = split_by_host([c for c, *_ in plan.folded], self.owner)
+        dropped = split_by_host([c for c, _ in plan.dropped], self.owner)
+        weights = {c: (s, tau) for c, s, tau, _ in plan.folded}
+        staleness = dict(plan.dropped)
+        futures = [host.fold.remote(rnd, [(c, *weights[c]) for c in folded.get(h, [])],
+                                    [(c, staleness[c]) for c in dropped.get(h, [])])
+                   for h, host in enumerate(self.hosts)]
+        return self._call(server.aggregate_buffered.remote(rnd, plan, *futures))
+
+    def _evaluate(self, rnd: int) -> dict:
+        """Every requested (client, split)'s scores of the model after round ``rnd``."""
+        cfg, server = self.cfg, self.server
+        personalized = cfg.eval.protocol == "personalized"  # the global model needs no per-client payloads
+        payload_box, personal = self._call(server.broadcast.remote(rnd, list(self.requests) if personalized else [],
+                                                                   False))
+        futures = [self.hosts[h].evaluate.remote(rnd, payload_box, {c: self.requests[c] for c in cids},
+                                                 cfg.eval.protocol, {c: personal[c] for c in cids if c in personal})
+                   for h, cids in split_by_host(self.requests, self.owner).items()]
+        results = {}
+        for host_scores in self._call(futures):
+            results.update(host_scores)
+        return results
 
     def _local_losses(self, query: LossQuery) -> LocalLosses:
         """The answers to ``query``, each client's from its owner host (every record is home
@@ -446,6 +505,7 @@ class FederationRun:
         self.state_bytes = {}
         if ckpt is None:
             self.log = MetricsLog()
+            self.sim_time = 0.0
             return 0
         self._call(self.server.load_state.remote(ckpt["server"]))
         by_host: dict[int, dict] = {}
@@ -454,6 +514,7 @@ class FederationRun:
         for sizes in self._call([self.hosts[h].import_states.remote(records) for h, records in by_host.items()]):
             self.state_bytes.update(sizes)
         self.log = MetricsLog.from_table(ckpt["metrics"])
+        self.sim_time = self.log.last_value("clock", "sim_time", ckpt["round"]) or 0.0
         return ckpt["round"]
 
     def _checkpoint(self, rnd: int) -> None:

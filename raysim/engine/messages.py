@@ -120,6 +120,36 @@ class HostRoundResult:
     """Bytes of personal tensors gathered only to build the global evaluation model."""
     seconds: float = 0.0
     """Wall seconds the host spent training this round."""
+    weights: dict[int, float] = field(default_factory=dict)
+    """Buffered schedule: each folded client's weight w_i before its staleness weight (Σ w_i is
+    FedBuff's denominator; raysim.core.buffered)."""
+
+
+# ----------------------------------------------------------------------------- buffered schedule
+
+@dataclass
+class TrainJobs:
+    """The server's jobs for the hosts to train before the next buffered step: every client in
+    flight whose simulated duration is not known yet."""
+
+    jobs: list[tuple[int, int]]
+    """(client, model version) pairs, ascending by client."""
+    payloads: dict[int, list]
+    """Version -> its broadcast payload in a box (:func:`box`)."""
+
+
+@dataclass
+class StepPlan:
+    """A buffered server step as the timeline took it: which uploads fold, with which weight."""
+
+    version: int
+    """The model version the step produces."""
+    time: float
+    """Simulated seconds at the step."""
+    folded: list[tuple[int, float, int, int]]
+    """(client, staleness weight s(τ), τ, the version it trained from), in arrival order."""
+    dropped: list[tuple[int, int]] = field(default_factory=list)
+    """(client, τ) of arrivals staler than schedule.max_staleness, dropped."""
 
 
 @dataclass

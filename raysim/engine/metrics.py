@@ -54,6 +54,16 @@ class MetricsLog:
         """The last round with rows (0 if none): a resumed federation's starting point."""
         return int(max(self._cols["round"], default=0))
 
+    def last_value(self, split: str, metric: str, up_to: int) -> float | None:
+        """The federation row (``client`` −1) ``split``/``metric`` of the last round ≤ ``up_to`` that
+        has one (a resumed run's simulated time); None if none does."""
+        cols = self._cols
+        for i in range(len(cols["round"]) - 1, -1, -1):
+            if (cols["round"][i] <= up_to and cols["client"][i] == -1 and cols["split"][i] == split
+                    and cols["metric"][i] == metric):
+                return cols["value"][i]
+        return None
+
     def round_rows(self, rnd: int) -> list[tuple]:
         """(round, client, domain, split, metric, value) of round ``rnd``, whose rows the round loop
         adds last: the log's tail, so this costs the round's rows, not the log's."""

@@ -16,9 +16,14 @@ from raysim.core.selection import STATE_KEY as SELECTION_KEY, SelectionContext, 
 from raysim.core.errors import UserError
 from raysim.engine.clock import read_trace
 from raysim.engine.federation import ClientDomains, Federation
-from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, box
+from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, StepPlan, TrainJobs, box
+from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
+from raysim.core.buffered import BufferedUploads
 from raysim.core.seeding import SERVER, rng_for
 from raysim.core.tensors import tensors_nbytes
+
+
+BUFFERED_KEY = "buffered_schedule"  # where a checkpoint's server state keeps the timeline
 
 
 class Server:
@@ -44,7 +49,21 @@ class Server:
         self.availability = level_availability(self.fed.setup.client_profiles)
         self._answers, self._bytes_query = LocalLosses(), 0  # the round's loss query (the selection's)
         self._asked: tuple | None = None  # (context, candidates) between a selection's two phases
+        # schedule.kind buffered: the simulated timeline (raysim.engine.timeline) and the global
+        # tensors of every model version a client in flight trained from (its delta's base)
+        buffered = schedule_kind(self.cfg, self.method) == "buffered"
+        self.buffered = buffered_schedule(self.cfg, self.method, self.per_round,
+                                          clocked=len(self.fed.setup.client_profiles) > 0,
+                                          model=self.fed.initial_model() if buffered else None)
+        if self.buffered is not None and self.buffered.concurrency > self.n:
+            raise UserError(f"schedule.concurrency = {self.buffered.concurrency} but the federation has {self.n} clients")
+        self._reset_timeline()
         return self.describe()
+
+    def _reset_timeline(self) -> None:
+        self.timeline = self.buffered.timeline() if self.buffered is not None else None
+        self.versions: dict[int, dict] = {}  # version -> its broadcast payload (CPU), while a job of it is in flight
+        self.dispatches = 0
 
     def _initial_state(self) -> dict:
         """The method's initial server state, and the selection's where it keeps one."""
@@ -72,6 +91,7 @@ class Server:
             domains = domains + ClientDomains.of(self.fed.target)
         return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
                 "domains": list(self.fed.domains), "client_domains": domains,
+                "buffered": self.buffered is not None,
                 "num_train": [partition.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
@@ -201,6 +221,77 @@ class Server:
                             bytes_down=getattr(self, "_bytes_down", 0) + getattr(self, "_bytes_query", 0),
                             host_seconds={r.host: r.seconds for r in results})
 
+    # ------------------------------------------------------------------ buffered schedule
+    def dispatch(self) -> TrainJobs:
+        """Fill the free slots at the timeline's time from the clients online then and not in flight
+        (a uniform draw keyed by the dispatch's count), and return every job in flight whose duration
+        is unknown (the new ones; after a restore, all), with their versions' payloads."""
+        tl, slot_s = self.timeline, self.buffered.slot_s
+        if tl.free_slots:
+            self.dispatches += 1
+            rng = rng_for(self.cfg.seed, self.dispatches, SERVER, "sample")
+            while True:
+                online = np.asarray(self.online(int(tl.now // slot_s) + 1), dtype=np.int64)
+                if tl.in_flight:
+                    online = online[~np.isin(online, np.fromiter(tl.in_flight, np.int64))]
+                if len(online) or tl.in_flight:
+                    break
+                if self.online_by_round is not None and tl.now // slot_s + 1 > max(self.online_by_round, default=0):
+                    raise UserError(f"no client is online after slot {int(tl.now // slot_s)} of the availability "
+                                    f"trace ({slot_s} s each) and none is in flight: the buffered federation cannot go on")
+                tl.now = (tl.now // slot_s + 1) * slot_s  # nobody online, nothing in flight: the next slot
+            take = min(tl.free_slots, len(online))
+            ctx = SelectionContext(round=self.dispatches, online=online, m=take, rng=rng, num_train=self._num_train)
+            chosen = online.tolist() if take == len(online) else self.selection.choose(None, ctx, {})
+            tl.dispatch(chosen)
+            if tl.version not in self.versions:
+                self.versions[tl.version] = self.method.broadcast(self.state, tl.version + 1)
+            # the new clients' downloads (jobs trained again after a restore downloaded before it)
+            self._bytes_down = len(chosen) * tensors_nbytes(self.versions[tl.version])
+        else:
+            self._bytes_down = 0
+        jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on]
+        payloads = {v: box(_put(self.versions[v])) for v in sorted({v for _, v in jobs})}
+        return TrainJobs(jobs, payloads)
+
+    def step(self, durations: dict[int, float]) -> StepPlan:
+        """Record the trained jobs' simulated durations and take the next server step's arrivals
+        (raysim.engine.timeline): which clients fold with which staleness weight, which are dropped."""
+        tl = self.timeline
+        for c, seconds in sorted(durations.items()):
+            tl.trained(int(c), seconds)
+        step = tl.step()
+        s = self.buffered.staleness
+        folded = [(a.job.client, s.weight(a.staleness), a.staleness, a.job.version) for a in step.folded]
+        return StepPlan(version=step.version, time=step.time, folded=folded,
+                        dropped=[(a.job.client, a.staleness) for a in step.dropped])
+
+    def aggregate_buffered(self, rnd: int, plan: StepPlan, *host_results: HostRoundResult) -> RoundSummary:
+        """Server step ``rnd`` of a buffered schedule: the method's ``buffered_step`` over the hosts'
+        folded deltas (raysim.core.buffered), then the versions no job in flight needs are dropped."""
+        results = sorted(host_results, key=lambda r: r.host)
+        reduced = self.method.aggregator.reduce([r.uploads for r in results])
+        metrics = {c: m for r in results for c, m in r.client_metrics.items()}
+        if reduced.clients:
+            weights = {c: w for r in results for c, w in r.weights.items()}
+            uploads = BufferedUploads(mean=reduced.mean, scaled_weight=reduced.total_weight,
+                                      weight=float(sum(weights[c] for c in reduced.clients)), clients=reduced.clients,
+                                      staleness={c: tau for c, _, tau, _ in plan.folded},
+                                      bases={c: self.versions[v]["global"] for c, _, _, v in plan.folded})
+            self.state = self.method.buffered_step(self.state, uploads, rnd)
+        live = {j.version for j in self.timeline.in_flight.values()}
+        self.versions = {v: p for v, p in self.versions.items() if v in live}
+        clients = sorted(metrics)
+        losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
+        taus = [tau for _, _, tau, _ in plan.folded]
+        clock = {"sim_time": plan.time, "folded": float(len(plan.folded)), "dropped_stale": float(len(plan.dropped)),
+                 "staleness_mean": float(np.mean(taus)) if taus else math.nan,
+                 "staleness_max": float(max(taus, default=0)), "in_flight": float(len(self.timeline.in_flight))}
+        return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
+                            client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
+                            server_metrics=self.method.server_metrics(self.state), clock=clock,
+                            bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results})
+
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:
         return True
@@ -213,14 +304,29 @@ class Server:
         return {"pid": os.getpid(), **node}
 
     def export_state(self) -> dict:
-        return self.state
+        """The server's state; a buffered schedule's adds its timeline and in-flight versions."""
+        if self.timeline is None:
+            return self.state
+        return {**self.state, BUFFERED_KEY: {"timeline": self.timeline.export(), "versions": self.versions,
+                                             "dispatches": self.dispatches}}
 
     def load_state(self, state: dict) -> None:
+        """A checkpoint's state. A buffered schedule's jobs in flight lost their uploads with the
+        hosts that held them: their durations are forgotten, so they train again (their draws are
+        keyed: the same uploads) before the next step."""
+        state = dict(state)
+        kept = state.pop(BUFFERED_KEY, None)
         self.state = state
+        if kept is not None:
+            data = dict(kept["timeline"], durations=[])
+            self.timeline = Timeline.restore(data)
+            self.versions = {int(v): p for v, p in kept["versions"].items()}
+            self.dispatches = int(kept["dispatches"])
 
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self._initial_state()
+        self._reset_timeline()
 
 
 def level_availability(profiles):

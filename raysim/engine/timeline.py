@@ -154,3 +154,71 @@ class Timeline:
         t.in_flight = {int(c): Job(int(c), int(v), float(s)) for c, v, s in data["in_flight"]}
         t.durations = {int(c): float(s) for c, s in data["durations"]}
         return t
+
+
+# ----------------------------------------------------------------------------- the configured schedule
+
+@dataclass(frozen=True)
+class BufferedSchedule:
+    """A buffered federation's settings, resolved from the config (``schedule:``) and the method's
+    defaults (``Method.buffer``, ``Method.staleness``)."""
+
+    concurrency: int
+    buffer: int
+    staleness: object
+    """A :class:`raysim.core.staleness.Staleness`."""
+    max_staleness: int | None
+    slot_s: float
+
+    def timeline(self) -> Timeline:
+        return Timeline(self.concurrency, self.buffer, self.max_staleness)
+
+
+FEDBUFF_BUFFER = 10  # K of a buffered method that names none: FedBuff's (Nguyen et al. 2022, their experiments' K)
+
+
+def schedule_kind(cfg, method) -> str:
+    """``rounds`` or ``buffered``: the config's ``schedule.kind``, else the method's."""
+    return cfg.schedule.kind or type(method).schedule
+
+
+def buffered_schedule(cfg, method, per_round: int, clocked: bool, model=None) -> BufferedSchedule | None:
+    """The buffered schedule ``cfg`` asks for (None: synchronous rounds), or a UserError in one line
+    where it cannot run: without client profiles (nothing gives a client's duration), with a round
+    deadline, a loss-asking selection, or a method whose upload is not a model update."""
+    from dataclasses import replace
+
+    from raysim.core.buffered import refusal
+    from raysim.core.errors import UserError
+    if schedule_kind(cfg, method) != "buffered":
+        return None
+    s = cfg.schedule
+    where = f"schedule.kind buffered (method {method.name})"
+    why = refusal(method, model)
+    if why:
+        raise UserError(f"method {method.name} cannot run a buffered schedule: {why}; run it with schedule.kind rounds")
+    if not clocked:
+        raise UserError(f"{where} needs clients.profiles: the simulated clock gives each client's duration, "
+                        "which orders the arrivals")
+    if cfg.clients.deadline_s is not None:
+        raise UserError(f"{where} has no rounds to cut at clients.deadline_s; set it to null "
+                        "(schedule.max_staleness drops late arrivals instead)")
+    if cfg.clients.selection.kind != "uniform":
+        raise UserError(f"{where} dispatches clients one step at a time; clients.selection.kind "
+                        f"{cfg.clients.selection.kind} runs with schedule.kind rounds only")
+    concurrency = s.concurrency or per_round
+    buffer = s.buffer or min(type(method).buffer or FEDBUFF_BUFFER, concurrency)
+    if type(method).buffer_fixed and buffer != type(method).buffer:
+        raise UserError(f"method {method.name} steps on every {type(method).buffer} arrival(s); schedule.buffer = "
+                        f"{buffer} would change the method: leave it null")
+    if buffer > concurrency:
+        raise UserError(f"schedule.buffer = {buffer} exceeds the clients in flight (schedule.concurrency = "
+                        f"{concurrency}): a step would wait for more arrivals than can come")
+    staleness = type(method).staleness
+    if s.staleness is not None:
+        staleness = replace(staleness, kind=s.staleness)
+    if s.staleness_a is not None:
+        staleness = replace(staleness, a=s.staleness_a)
+    if s.staleness_b is not None:
+        staleness = replace(staleness, b=s.staleness_b)
+    return BufferedSchedule(concurrency, buffer, staleness, s.max_staleness, s.slot_s)

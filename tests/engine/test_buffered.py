@@ -1,0 +1,127 @@
+"""The buffered schedule through the real loop: metrics that do not depend on the host layout,
+nor on losses (a host and the server killed mid-run replay to the same metrics); with C = K = m
+and fresh arrivals it is FedAvg's synchronous rounds; time as an axis (sim_time, eval.every_s,
+stop.sim_hours); what cannot run buffered is refused in one line."""
+import os
+import signal
+import threading
+
+import pyarrow.parquet as pq
+import pytest
+
+from raysim.app.configs import load_checked
+from raysim.app.experiment import federation
+from raysim.core.errors import UserError
+from raysim.engine.backend import InProcess
+
+LEVELS = [{"name": "fast", "flops": 2.0e+9, "up_mbps": 10, "down_mbps": 50},
+          {"name": "mid", "flops": 1.0e+9, "up_mbps": 10, "down_mbps": 50},
+          {"name": "slow", "flops": 0.3e+9, "up_mbps": 10, "down_mbps": 50}]
+BASE = {
+    "method": "fedbuff", "rounds": 6, "seed": 3, "clients_per_round": 4,
+    "data": {"dataset": "digits5", "options": {"image_size": 16},
+             "partition": {"kind": "per_domain", "clients_per_domain": 3, "train_size": 12,
+                           "domains": ["mnist", "usps", "svhn"]}},
+    "model": {"name": "small_cnn", "norm": "bn"},
+    "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5, "grad_clip": 10.0},
+    "eval": {"every": 2, "splits": ["test"]},
+    "schedule": {"buffer": 2},
+    "clients": {"profiles": {"levels": LEVELS, "assign": "round_robin"}},
+    "runtime": {"num_hosts": 1, "cpus_per_host": 0.5},
+    "checkpoint": {"every": 2, "keep": 2},
+}
+
+
+def cfg(*overrides, raw=None):
+    return load_checked(raw=raw or BASE, overrides=list(overrides))
+
+
+def metrics(run_dir):
+    return pq.read_table(os.path.join(run_dir, "metrics.parquet")).to_pandas()
+
+
+def run(out, *overrides, backend=None, **kw):
+    federation(cfg(*overrides), str(out), progress=False, backend=backend, **kw).run()
+    return metrics(str(out))
+
+
+@pytest.fixture(scope="module")
+def one_host(ray_session, tmp_path_factory):
+    return run(tmp_path_factory.mktemp("one_host"))
+
+
+def test_steps_fold_k_arrivals_with_their_staleness_on_the_simulated_clock(one_host):
+    clock = one_host[one_host.split == "clock"].pivot_table(index="round", columns="metric", values="value")
+    assert (clock["folded"] == 2).all() and clock["sim_time"].is_monotonic_increasing
+    assert clock["staleness_max"].max() >= 1  # slow clients arrive after others' steps
+    stale = one_host[(one_host.metric == "staleness") & (one_host.client >= 0)]
+    assert len(stale) == 2 * 6 and not stale.duplicated(["round", "client"]).any()
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_same_metrics_whatever_the_host_layout(one_host, tmp_path, hosts):
+    assert run(tmp_path, f"runtime.num_hosts={hosts}", "runtime.cpus_per_host=0.25").equals(one_host)
+
+
+@pytest.mark.slow
+def test_a_host_and_the_server_killed_mid_run_replay_to_the_same_metrics(one_host, tmp_path):
+    import ray
+
+    killed = {}
+
+    def kill(rnd, summary, evaluation):
+        for at, who in ((2, "host"), (4, "server")):  # once each: the replays pass these steps again
+            if rnd == at and who not in killed:
+                actor = fed.hosts[0] if who == "host" else fed.server
+                killed[who] = ray.get(actor.ready.remote())["pid"]
+                threading.Timer(0.2, os.kill, (killed[who], signal.SIGKILL)).start()
+
+    fed = federation(cfg(), str(tmp_path / "run"), progress=False, on_round=kill)
+    result = fed.run()
+    assert (result.host_restarts, result.server_restarts) == (1, 1)
+    assert metrics(fed.run_dir).equals(one_host)
+
+
+def test_a_resumed_buffered_run_retrains_its_jobs_in_flight_to_the_same_metrics(tmp_path):
+    import shutil
+    out = str(tmp_path / "run")
+    whole = run(out, backend=InProcess())
+    # back to step 2's checkpoint (its timeline has jobs in flight, trained before the checkpoint)
+    for name in ("metrics.parquet", "status.json"):
+        os.remove(os.path.join(out, name))
+    shutil.rmtree(os.path.join(out, "checkpoints", "round-000004"))
+    federation(cfg(), out, progress=False, backend=InProcess()).run(resume=True)
+    assert metrics(out).equals(whole)
+
+
+def test_c_equal_k_equal_m_with_fresh_arrivals_is_fedavgs_synchronous_rounds(tmp_path):
+    import numpy as np
+    every = ["eval.every=1", "train.weighting=uniform", "clients_per_round=9", "data.options.image_size=16"]
+    rounds = run(tmp_path / "rounds", "method=fedavg", *every, backend=InProcess())
+    buffered = run(tmp_path / "buffered", "method=fedavg", "schedule.kind=buffered", "schedule.buffer=9",
+                   *every, backend=InProcess())
+    pick = lambda df: df[(df.split == "test") & (df.metric == "accuracy")].sort_values(["round", "client", "domain"])
+    a, b = pick(rounds), pick(buffered)
+    assert len(a) == len(b) > 0
+    assert np.allclose(a["value"].to_numpy(), b["value"].to_numpy(), atol=0.02)  # x + mean(y - x) vs mean(y)
+
+
+def test_eval_every_s_and_stop_sim_hours_on_the_simulated_clock(tmp_path):
+    m = run(tmp_path, "rounds=40", "eval.every=100", "eval.every_s=1", "stop.sim_hours=0.001", backend=InProcess())
+    clock = m[(m.split == "clock") & (m.metric == "sim_time")].set_index("round")["value"]
+    assert clock.iloc[-1] >= 3.6 and clock.iloc[-2] < 3.6 and len(clock) < 40
+    evaluated = sorted(m[m.split == "test"]["round"].unique())
+    crossed = [r for r in clock.index if r == clock.index[-1] or (clock[r] // 1 > clock.get(r - 1, 0) // 1)]
+    assert evaluated == crossed
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["clients.profiles.levels=[]"], "needs clients.profiles"),
+    (["method=scaffold"], "cannot run a buffered schedule: it has its own server step"),
+    (["method=fedasync", "schedule.buffer=3"], "steps on every 1 arrival"),
+    (["schedule.buffer=5"], "exceeds the clients in flight"),
+    (["clients.deadline_s=3.0"], "clients.deadline_s"),
+])
+def test_what_cannot_run_buffered_is_one_line(tmp_path, overrides, said):
+    with pytest.raises(UserError, match=said):
+        run(tmp_path, "schedule.kind=buffered", *overrides, backend=InProcess())

@@ -1,0 +1,73 @@
+"""FedBuff's server step (raysim.core.buffered, methods/fedbuff.py) on values computed by hand,
+and the host's delta upload it folds."""
+import pytest
+import torch
+
+from raysim.core.aggregation import WeightedMean
+from raysim.core.buffered import BufferedUploads, delta_upload, refusal
+from raysim.core.contract import Upload
+from raysim.methods import registry
+from raysim.testing import setup
+
+
+def fold(deltas, weights, taus, staleness):
+    """What the hosts' fold and the server's reduce give for these deltas (one host)."""
+    agg = WeightedMean()
+    partial = agg.start()
+    for c, (d, w, tau) in enumerate(zip(deltas, weights, taus)):
+        agg.add(partial, c, Upload({"w": d}, w * staleness.weight(tau)))
+    mean = agg.reduce([partial])
+    return BufferedUploads(mean.mean, mean.total_weight, float(sum(weights)), mean.clients,
+                           staleness=dict(enumerate(taus)))
+
+
+def test_fedbuff_steps_along_the_staleness_weighted_buffer_mean_with_server_momentum():
+    fedbuff = registry.get("fedbuff")
+    m = fedbuff(fedbuff.Hparams(), setup())
+    assert (fedbuff.buffer, fedbuff.staleness.kind, fedbuff.server_optimizer) == (10, "sqrt", "momentum")
+    state = {"global": {"w": torch.tensor([1.0, 2.0])}}
+    # Δ1 fresh (s = 1), Δ2 three steps stale (s = 1/√4 = 1/2); equal weights:
+    # Δ̄ = (1/K) Σ s_i Δ_i = (Δ1 + Δ2 / 2) / 2 = ([0.2, -0.4] + [0.3, 0]) / 2 = [0.25, -0.2]
+    up = fold([torch.tensor([0.2, -0.4]), torch.tensor([0.6, 0.0])], [1.0, 1.0], [0, 3], fedbuff.staleness)
+    assert torch.allclose(up.delta()["w"], torch.tensor([0.25, -0.2]))
+    state = m.buffered_step(state, up, 1)  # momentum 0.9, lr 1: v = Δ̄, x = x + v
+    assert torch.allclose(state["global"]["w"], torch.tensor([1.25, 1.8]))
+    state = m.buffered_step(state, up, 2)  # v = 0.9 Δ̄ + Δ̄ = 1.9 Δ̄
+    assert torch.allclose(state["global"]["w"], torch.tensor([1.25 + 0.475, 1.8 - 0.38]))
+
+
+def test_the_buffer_divides_by_the_clients_weights_not_by_the_staleness_weights():
+    staleness = registry.get("fedbuff").staleness
+    # one client three steps stale alone: Δ̄ = s Δ = Δ / 2 (not Δ, which Σ s_i in the denominator would give)
+    up = fold([torch.tensor([1.0])], [1.0], [3], staleness)
+    assert torch.allclose(up.delta()["w"], torch.tensor([0.5]))
+
+
+def test_fedavg_buffered_with_fresh_arrivals_is_the_synchronous_mean():
+    fedavg = registry.get("fedavg")
+    m = fedavg(fedavg.Hparams(), setup())
+    x = torch.tensor([1.0, -1.0])
+    ys = [torch.tensor([2.0, 0.0]), torch.tensor([0.0, 3.0])]
+    up = fold([y - x for y in ys], [3.0, 1.0], [0, 0], fedavg.staleness)
+    new = m.buffered_step({"global": {"w": x}}, up, 1)["global"]["w"]
+    assert torch.allclose(new, (3 * ys[0] + ys[1]) / 4)  # n_k-weighted mean, as a round's
+
+
+def test_a_delta_upload_is_new_tensors_and_keeps_integer_buffers_as_they_are():
+    model = {"w": torch.tensor([3.0]), "n": torch.tensor(5)}
+    base = {"w": torch.tensor([1.0]), "n": torch.tensor(2)}
+    d = delta_upload(model, base)
+    assert d["w"].item() == 2.0 and d["n"].item() == 5
+    model["n"] += 1
+    assert d["n"].item() == 5  # a copy: the next client's training does not write into it
+
+
+@pytest.mark.parametrize("name, why", [("fedavg", ""), ("fedprox", ""), ("fedadam", ""), ("fedbuff", ""),
+                                       ("fedasync", ""), ("scaffold", "own server step"),
+                                       ("fdse", "keeps them all"), ("feddrop", "keeps them all"), ("fedbn", "personal tensors"),
+                                       ("central", "every client's data")])
+def test_which_methods_run_buffered(name, why):
+    cls = registry.get(name)
+    m = cls(cls.Hparams(), setup())
+    said = refusal(m, m.build_model())
+    assert (why in said) if why else said == "", said
