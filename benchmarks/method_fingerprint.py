@@ -42,7 +42,11 @@ def fingerprint(out: str, methods: list[str] | None = None) -> None:
     names = methods or registry.names()
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(raw={**TINY, "methods": names})
+        # a method that runs buffered by default (fedbuff, fedasync) needs the clock's device levels
+        clocked = {"clients": {"profiles": {"levels": [{"name": "fast", "flops": 2.0e9}, {"name": "slow", "flops": 0.5e9}],
+                                            "assign": "round_robin"}}}
+        buffered = {n: clocked for n in names if registry.get(n).schedule == "buffered"}
+        cfg = load_config(raw={**TINY, "methods": names, "per_method": buffered})
         run(cfg, out=tmp, progress=False)
         for name in names:
             d = os.path.join(tmp, name) if len(names) > 1 else tmp

@@ -69,8 +69,13 @@ def save_figure(fig, ax, path: str) -> None:
 
 
 def sim_clock(df: pd.DataFrame) -> pd.Series | None:
-    """Simulated seconds elapsed at the end of each round (client profiles' clock), or None."""
-    rows = df[(df.split == "clock") & (df.metric == "sim_round_s")].sort_values("round")
+    """Simulated seconds elapsed at the end of each round or server step (client profiles' clock:
+    the ``sim_time`` rows; a run written before they existed, its rounds' durations added up), or None."""
+    clock = df[df.split == "clock"]
+    rows = clock[clock.metric == "sim_time"].sort_values("round")
+    if not rows.empty:
+        return pd.Series(rows.value.values, index=rows["round"].values)
+    rows = clock[clock.metric == "sim_round_s"].sort_values("round")
     if rows.empty:
         return None
     return pd.Series(rows.value.cumsum().values, index=rows["round"].values)

@@ -85,6 +85,7 @@ def preflight(cfg, address: str | None = None, own_ray: bool = True) -> Checked:
             except UserError as err:
                 raise UserError(f"{label}{err}") from None
             _check_participation(one, n, label)
+            _check_schedule(one, n, label)
             if checked.cpus_here is not None:
                 checked.cpus_needed.append(_check_local_cpus(one, n, checked.cpus_here, label))
             checked.clients.append(n)
@@ -164,6 +165,23 @@ def _check_participation(one, n: int, label: str) -> None:
     if k is not None and k > n:
         raise UserError(f"{label}clients_per_round = {k} but the federation has {n} clients "
                         f"({_partition_text(one)}); expected at most {n}")
+
+
+def _check_schedule(one, n: int, label: str) -> None:
+    """A buffered schedule the server would refuse (raysim.engine.timeline.buffered_schedule), said
+    before Ray starts (a method's personal tensors are checked where its model is built)."""
+    from raysim.engine.timeline import buffered_schedule, schedule_kind
+    from raysim.methods import registry
+    cls = registry.get(one.method)
+    if schedule_kind(one, cls) != "buffered":
+        return
+    per_round = one.clients_per_round or (max(1, int(round(one.fraction * n))) if one.fraction else n)
+    try:
+        plan = buffered_schedule(one, cls, per_round, clocked=bool(one.clients.profiles.levels))
+    except UserError as err:
+        raise UserError(f"{label}{err}") from None
+    if plan.concurrency > n:
+        raise UserError(f"{label}schedule.concurrency = {plan.concurrency} but the federation has {n} clients")
 
 
 def _check_local_cpus(one, n: int, cpus_here: int, label: str) -> float:

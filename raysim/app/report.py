@@ -262,6 +262,39 @@ def _failed_section(failed: list[tuple[str, str]]) -> str:
     return "\n## Failed, not in the tables (the method raised)\n\n" + "\n".join(lines) + "\n"
 
 
+def time_section(panels: dict[str, list[pd.DataFrame]]) -> str:
+    """summary.md's simulated-time table (runs with client profiles): each row's simulated hours
+    and the rounds and hours it took to reach the first row's final test AVG (mean over seeds; the
+    target is fixed by that row, whatever the others do); "" without a clock."""
+    curves = {}
+    for name, frames in panels.items():
+        for df in frames:
+            clock = sim_clock(df)
+            acc = df[(df.client == -1) & (df.split == "test") & (df.domain == "AVG") & (df.metric == "accuracy")]
+            if clock is not None and not acc.empty:
+                acc = acc.sort_values("round")
+                curves.setdefault(name, []).append((acc["round"].to_numpy(), clock.reindex(acc["round"]).to_numpy(),
+                                                    100 * acc.value.to_numpy(), float(clock.iloc[-1])))
+    if not curves:
+        return ""
+    reference = next(iter(curves))
+    target = float(np.mean([c[2][-1] for c in curves[reference]]))
+    rows = []
+    for name, seeds in curves.items():
+        reached = [(int(r[i]), t[i]) for r, t, a, _ in seeds for i in [int(np.argmax(a >= target))] if (a >= target).any()]
+        hours = [end / 3600 for *_, end in seeds]
+        rows.append([name, f"{np.mean(hours):.4g}", f"{np.mean([c[2][-1] for c in seeds]):.2f}",
+                     f"{np.mean([r for r, _ in reached]):.0f}" if reached else "–",
+                     f"{np.mean([t for _, t in reached]) / 3600:.4g}" if reached else "–",
+                     f"{len(reached)}/{len(seeds)}"])
+    table = markdown_table(["federation", "simulated hours", "final test AVG", "rounds to target",
+                            "simulated hours to target", "seeds reaching it"], rows)
+    return (f"\n## Simulated time\n\nThe clock of the client profiles (a buffered schedule's rounds are server "
+            f"steps). Target: {reference}'s final test AVG, {target:.2f} (mean over its seeds); a federation "
+            f"reaches it at its first evaluated round at or above it. curves_time.png draws test AVG against "
+            f"simulated time.\n\n{table}\n")
+
+
 def render(run_dir: str) -> str:
     """(Re-)write summary.md and curves.png of a run directory; return the summary text."""
     dirs = rundir.method_dirs(run_dir)
@@ -302,6 +335,7 @@ def render(run_dir: str) -> str:
         text = summary_markdown(runs, title, header)
         text += "".join(method_section(*first[row]) for row in runs)
     unfinished = rundir.unfinished_line([run_dir])
+    text += time_section(panels)
     text += _exchanges(dirs) + beside_paper(run_dir) + _failed_section(failed) + (
         "\n## Unfinished\n\n" + unfinished + "\n" if unfinished else "")
     write_text(os.path.join(run_dir, "summary.md"), text)

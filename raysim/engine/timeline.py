@@ -179,7 +179,12 @@ FEDBUFF_BUFFER = 10  # K of a buffered method that names none: FedBuff's (Nguyen
 
 def schedule_kind(cfg, method) -> str:
     """``rounds`` or ``buffered``: the config's ``schedule.kind``, else the method's."""
-    return cfg.schedule.kind or type(method).schedule
+    return cfg.schedule.kind or _cls(method).schedule
+
+
+def _cls(method) -> type:
+    """A method's class, given the method or its class."""
+    return method if isinstance(method, type) else type(method)
 
 
 def buffered_schedule(cfg, method, per_round: int, clocked: bool, model=None) -> BufferedSchedule | None:
@@ -207,14 +212,14 @@ def buffered_schedule(cfg, method, per_round: int, clocked: bool, model=None) ->
         raise UserError(f"{where} dispatches clients one step at a time; clients.selection.kind "
                         f"{cfg.clients.selection.kind} runs with schedule.kind rounds only")
     concurrency = s.concurrency or per_round
-    buffer = s.buffer or min(type(method).buffer or FEDBUFF_BUFFER, concurrency)
-    if type(method).buffer_fixed and buffer != type(method).buffer:
-        raise UserError(f"method {method.name} steps on every {type(method).buffer} arrival(s); schedule.buffer = "
+    buffer = s.buffer or min(_cls(method).buffer or FEDBUFF_BUFFER, concurrency)
+    if _cls(method).buffer_fixed and buffer != _cls(method).buffer:
+        raise UserError(f"method {method.name} steps on every {_cls(method).buffer} arrival(s); schedule.buffer = "
                         f"{buffer} would change the method: leave it null")
     if buffer > concurrency:
         raise UserError(f"schedule.buffer = {buffer} exceeds the clients in flight (schedule.concurrency = "
                         f"{concurrency}): a step would wait for more arrivals than can come")
-    staleness = type(method).staleness
+    staleness = _cls(method).staleness
     if s.staleness is not None:
         staleness = replace(staleness, kind=s.staleness)
     if s.staleness_a is not None:
