@@ -50,7 +50,14 @@ def one_host(ray_session, tmp_path_factory):
     return run(tmp_path_factory.mktemp("one_host"))
 
 
-def test_steps_fold_k_arrivals_with_their_staleness_on_the_simulated_clock(one_host):
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("in_process") / "run"
+    return str(out), run(out, backend=InProcess())
+
+
+def test_steps_fold_k_arrivals_with_their_staleness_on_the_simulated_clock(in_process):
+    one_host = in_process[1]
     clock = one_host[one_host.split == "clock"].pivot_table(index="round", columns="metric", values="value")
     assert (clock["folded"] == 2).all() and clock["sim_time"].is_monotonic_increasing
     assert clock["staleness_max"].max() >= 1  # slow clients arrive after others' steps
@@ -58,8 +65,10 @@ def test_steps_fold_k_arrivals_with_their_staleness_on_the_simulated_clock(one_h
     assert len(stale) == 2 * 6 and not stale.duplicated(["round", "client"]).any()
 
 
+@pytest.mark.slow  # three federations on Ray actors (~1 min): make test-slow
 @pytest.mark.parametrize("hosts", [2, 4])
-def test_same_metrics_whatever_the_host_layout(one_host, tmp_path, hosts):
+def test_same_metrics_whatever_the_host_layout(one_host, in_process, tmp_path, hosts):
+    assert one_host.equals(in_process[1])  # Ray actors or in one process
     assert run(tmp_path, f"runtime.num_hosts={hosts}", "runtime.cpus_per_host=0.25").equals(one_host)
 
 
@@ -84,10 +93,10 @@ def test_a_host_and_the_server_killed_mid_run_replay_to_the_same_metrics(one_hos
     assert first[first["round"] <= 6].reset_index(drop=True).equals(one_host)
 
 
-def test_a_resumed_buffered_run_retrains_its_jobs_in_flight_to_the_same_metrics(tmp_path):
+def test_a_resumed_buffered_run_retrains_its_jobs_in_flight_to_the_same_metrics(in_process, tmp_path):
     import shutil
-    out = str(tmp_path / "run")
-    whole = run(out, backend=InProcess())
+    out = shutil.copytree(in_process[0], str(tmp_path / "run"))
+    whole = in_process[1]
     # back to step 2's checkpoint (its timeline has jobs in flight, trained before the checkpoint)
     for name in ("metrics.parquet", "status.json"):
         os.remove(os.path.join(out, name))
@@ -127,3 +136,31 @@ def test_eval_every_s_and_stop_sim_hours_on_the_simulated_clock(tmp_path):
 def test_what_cannot_run_buffered_is_one_line(tmp_path, overrides, said):
     with pytest.raises(UserError, match=said):
         run(tmp_path, "schedule.kind=buffered", *overrides, backend=InProcess())
+
+
+def test_the_servers_timeline_on_a_toy_clock_by_hand():
+    """Four clients in flight, K = 2, durations chosen by hand: arrivals in (finish, client) order,
+    versions, staleness and s(τ) = 1/√(1+τ) as computed here; new clients dispatched at step times."""
+    from raysim.engine.server import Server
+    server = Server(cfg("clients_per_round=4"))
+    server.start()
+    work = server.dispatch()  # version 0 at t = 0: four clients drawn
+    first = [c for c, _ in work.jobs]
+    assert len(first) == 4 and {v for _, v in work.jobs} == {0}
+    a, b, c, d = first
+    durations = {a: 5.0, b: 1.0, c: 3.0, d: 1.0}  # b and d tie at 1 s: the lower id first
+    plan = server.step(durations)
+    assert [(cl, s, tau, v) for cl, s, tau, v in plan.folded] == [(min(b, d), 1.0, 0, 0), (max(b, d), 1.0, 0, 0)]
+    assert (plan.version, plan.time) == (1, 1.0)
+    work = server.dispatch()  # two free slots refilled at t = 1 s from version 1, never a client in flight
+    new = [cl for cl, _ in work.jobs]
+    assert len(new) == 2 and not set(new) & {a, c} and {v for _, v in work.jobs} == {1}
+    plan = server.step({new[0]: 0.5, new[1]: 4.0})  # arrivals: new[0] at 1.5, c at 3, new[1] at 5, a at 5
+    assert [(cl, tau) for cl, _, tau, _ in plan.folded] == [(new[0], 0), (c, 1)]
+    assert [s for _, s, _, _ in plan.folded] == pytest.approx([1.0, 2 ** -0.5])
+    assert (plan.version, plan.time) == (2, 3.0)
+    for _ in range(30):  # thirty more steps: a dispatch never draws a client in flight
+        flying = set(server.timeline.in_flight)
+        jobs = server.dispatch().jobs
+        assert jobs and not {cl for cl, _ in jobs} & flying
+        server.step({cl: 1.0 + cl % 3 for cl, _ in jobs})

@@ -82,6 +82,8 @@ PINNED = {
     'fedadagrad': {},  # the server optimizer's defaults are the config's (raysim.config.ServerConfig)
     'fedadam': {},
     'fedavgm': {},
+    'fedbuff': {},
+    'fedasync': {'alpha': 0.6, 'rho': 0.005},
     'fedyogi': {},
     'fedavg_gn': {},
     'fedavg_ln': {},
@@ -172,7 +174,7 @@ SERVER_PINNED = {
     "momentum": 0.9, "betas": (0.9, 0.999), "tau": 1e-3, "form": "code",
 }
 PAPER_FORM_BETAS = (0.9, 0.99)  # server.form=paper: the paper's text (the code form's are Keras's, which ran)
-SERVER_OF = {"fedavg": "sgd", "fedavgm": "momentum", "fedadagrad": "adagrad", "fedadam": "adam", "fedyogi": "yogi"}
+SERVER_OF = {"fedavg": "sgd", "fedavgm": "momentum", "fedbuff": "momentum", "fedadagrad": "adagrad", "fedadam": "adam", "fedyogi": "yogi"}
 
 
 @pytest.mark.parametrize("method", list(SERVER_OF))
