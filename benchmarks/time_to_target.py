@@ -30,18 +30,30 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
     ap.add_argument("--reference", default="fedavg")
+    ap.add_argument("--target", type=float, help="a fixed target test AVG in %% (instead of the reference's per seed)")
+    ap.add_argument("--at", default="", help="also the test AVG at these simulated seconds, e.g. 60,120,180 "
+                    "(the last evaluation at or before each)")
     args = ap.parse_args(argv)
     curves = {}  # method -> seed -> curve
     for path in sorted(glob.glob(os.path.join(args.run_dir, "*", "seed-*", "metrics.parquet"))):
         method, seed = path.split(os.sep)[-3], int(path.split(os.sep)[-2][len("seed-"):])
         curves.setdefault(method, {})[seed] = avg_over_time(load(os.path.dirname(path)))
-    targets = {s: c.avg.iloc[-1] for s, c in curves[args.reference].items()}
-    print(f"| method | final AVG | simulated s (whole run) | s to reach {args.reference}'s final AVG | seeds reaching it |")
-    print("|---|---|---|---|---|")
+    if args.target is not None:
+        targets = {s: args.target for by_seed in curves.values() for s in by_seed}
+        what = f"{args.target:g}%"
+    else:
+        targets = {s: c.avg.iloc[-1] for s, c in curves[args.reference].items()}
+        what = f"{args.reference}'s final AVG"
+    at = [float(t) for t in args.at.split(",") if t.strip()]
+    print(f"| method | final AVG | " + "".join(f"AVG at {t:g} s | " for t in at)
+          + f"simulated s (whole run) | s to reach {what} | seeds reaching it |")
+    print("|---|---|" + "---|" * len(at) + "---|---|---|")
     for method, by_seed in curves.items():
         hits = [c[c.avg >= targets[s]].seconds.iloc[0] for s, c in by_seed.items()
                 if s in targets and not c[c.avg >= targets[s]].empty]
-        print(f"| {method} | {_mean_std([c.avg.iloc[-1] for c in by_seed.values()])} | "
+        at_cells = "".join(_mean_std([c[c.seconds <= t].avg.iloc[-1] for c in by_seed.values()
+                                      if not c[c.seconds <= t].empty]) + " | " for t in at)
+        print(f"| {method} | {_mean_std([c.avg.iloc[-1] for c in by_seed.values()])} | {at_cells}"
               f"{_mean_std([c.seconds.iloc[-1] for c in by_seed.values()])} | {_mean_std(hits)} | "
               f"{len(hits)}/{len(by_seed)} |")
     return 0
