@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from raysim.app.plots import save_figure
+from raysim.app.plots import save_figure, sim_clock
 from raysim.app.rundir import (config_dict, failed_federations, holdout_dirs, method_dirs, read_metrics, seed_dirs,
                                unfinished_line)
 from raysim.app.tables import (AGGREGATES, SELECT_LABELS, Ran, Summary, first_federation, markdown_table,
@@ -347,6 +347,36 @@ def plot_compare(rows: list[Row], path: str) -> None:
     save_figure(fig, ax, path)
 
 
+def plot_compare_time(rows: list[Row], path: str) -> bool:
+    """Test AVG against simulated hours (client profiles' clock), one line per seed, a colour per
+    row: where rounds are server steps of different lengths (buffered schedules, deadlines) the
+    time axis is the fair one. False (nothing drawn) where no federation has a clock."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    drawn = False
+    for i, r in enumerate(rows):
+        if r.entry.lodo:
+            continue
+        for j, seed in enumerate(r.seeds):
+            clock, curve = sim_clock(r.entry.frames[seed]), _avg_curve(r.entry, seed)
+            if clock is None or curve is None:
+                continue
+            hours = clock.reindex(curve.index).to_numpy() / 3600
+            ax.plot(hours, 100 * curve.to_numpy(), color=f"C{i % 10}", linewidth=1.4, alpha=0.85,
+                    label=r.label + (f" ({len(r.seeds)} seeds)" if len(r.seeds) > 1 else "") if j == 0 else None)
+            drawn = True
+    if drawn:
+        ax.set_xlabel("simulated hours")
+        ax.set_ylabel("test AVG (%)")
+        save_figure(fig, ax, path)
+    else:
+        plt.close(fig)
+    return drawn
+
+
 # ----------------------------------------------------------------------------- the command
 
 def compare(run_dirs: list[str], by: str = "method", out: str | None = None) -> str:
@@ -364,5 +394,7 @@ def compare(run_dirs: list[str], by: str = "method", out: str | None = None) -> 
         write_text(os.path.join(out, "compare.md"), text)
         write_atomically(os.path.join(out, "compare.csv"), lambda tmp: frame.to_csv(tmp, index=False))
         plot_compare(rows, os.path.join(out, "compare.png"))
-        text += f"\nwritten: {os.path.join(out, 'compare.md')}, compare.csv, compare.png\n"
+        timed = plot_compare_time(rows, os.path.join(out, "compare_time.png"))
+        text += (f"\nwritten: {os.path.join(out, 'compare.md')}, compare.csv, compare.png"
+                 + (", compare_time.png" if timed else "") + "\n")
     return text

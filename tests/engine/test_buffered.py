@@ -164,3 +164,15 @@ def test_the_servers_timeline_on_a_toy_clock_by_hand():
         jobs = server.dispatch().jobs
         assert jobs and not {cl for cl, _ in jobs} & flying
         server.step({cl: 1.0 + cl % 3 for cl, _ in jobs})
+
+
+def test_report_and_compare_draw_accuracy_against_simulated_time(in_process, tmp_path):
+    import shutil
+    from raysim.app.compare import compare
+    from raysim.app.report import render
+    out = shutil.copytree(in_process[0], str(tmp_path / "run"))
+    text = render(out)
+    assert "## Simulated time" in text and "fedbuff" in text.split("## Simulated time")[1]
+    assert os.path.isfile(os.path.join(out, "curves_time.png"))
+    assert "compare_time.png" in compare([out], out=str(tmp_path / "cmp"))
+    assert os.path.isfile(tmp_path / "cmp" / "compare_time.png")
