@@ -56,6 +56,23 @@ TINY = {
 }
 
 
+# two device levels for the simulated clock: what a method that runs buffered by default (fedbuff,
+# fedasync) needs to run on TINY (the clock's durations order its arrivals)
+CLOCKED = {"levels": [{"name": "fast", "flops": 2.0e9}, {"name": "slow", "flops": 0.5e9}], "assign": "round_robin"}
+
+
+def config_for(method: str, config: dict | None = None) -> dict:
+    """``config`` (default :data:`TINY`) for ``method``: with device levels where the method runs
+    buffered by default and the config gives none."""
+    import copy
+
+    from raysim.methods import registry
+    raw = {**copy.deepcopy(TINY if config is None else config), "method": method}
+    if registry.get(method).schedule == "buffered" and not raw.get("clients", {}).get("profiles", {}).get("levels"):
+        raw.setdefault("clients", {}).setdefault("profiles", {}).update(copy.deepcopy(CLOCKED))
+    return raw
+
+
 # ----------------------------------------------------------------------------- what a method is built with
 
 def setup(num_classes: int = 3, image_shape: tuple[int, int, int] = (1, 8, 8), num_clients: int = 2,
@@ -227,7 +244,7 @@ def run_rounds(method: str, run_dir, *overrides: str, config: dict | None = None
     from raysim.app.experiment import federation
     from raysim.engine.backend import InProcess
 
-    cfg = load_checked(raw={**(TINY if config is None else config), "method": method}, overrides=list(overrides))
+    cfg = load_checked(raw=config_for(method, config), overrides=list(overrides))
     fed = federation(cfg, str(run_dir), progress=False, backend=InProcess())
     if plan is not None:
         fed.plan = plan

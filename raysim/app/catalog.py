@@ -160,7 +160,7 @@ def server_step_table(cls) -> str:
 
 
 def method_markdown(name: str) -> str:
-    from raysim.core.buffered import refusal
+    from raysim.core.contract import buffered_refusal as refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cls = registry.get(name)  # UserError naming the available methods
@@ -202,7 +202,7 @@ def _short_configs(name: str, paths: list[str], most: int = 4) -> str:
 
 
 def catalog_markdown() -> str:
-    from raysim.core.buffered import refusal
+    from raysim.core.contract import buffered_refusal as refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cfgs = configs_by_method()

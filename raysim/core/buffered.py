@@ -1,5 +1,5 @@
-"""Buffered (asynchronous) aggregation's server side: what a server step receives, FedBuff's
-update of the global model, and which methods can run buffered.
+"""Buffered (asynchronous) aggregation's server side: what a server step receives and FedBuff's
+update of the global model (which methods can run buffered: raysim.core.contract.buffered_refusal).
 
 A buffered step folds the K uploads that arrived (raysim.engine.timeline), each a delta
 Δ_i = y_i − x_{v_i} against the model version v_i its client trained from, weighted by its
@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raysim.core.aggregation import WeightedMean
 from raysim.core.tensors import Tensors
 
 
@@ -74,24 +73,3 @@ def delta_upload(tensors: Tensors, base: Tensors) -> Tensors:
         x = base.get(k)
         out[k] = y - x if x is not None and y.is_floating_point() else y.clone()
     return out
-
-
-def refusal(method, model: torch.nn.Module | None = None) -> str:
-    """Why ``method`` cannot run buffered, in a few words; "" where it can: its upload is the shared
-    model, folded by the weighted mean, and its server step is the default one (or its own
-    ``buffered_step``)."""
-    from raysim.core.contract import Method
-    cls = type(method) if not isinstance(method, type) else method
-    if not isinstance(cls.aggregator, WeightedMean):
-        return "its server step needs every client's upload of one round (it keeps them all)"
-    if cls.aggregate is not Method.aggregate and cls.buffered_step is Method.buffered_step:
-        return "it has its own server step over every client of one round (aggregate)"
-    if cls.client_payload is not Method.client_payload:
-        return "it sends each client a payload of its own, built for the round"
-    if cls.select is not Method.select:
-        return "it selects each round's clients itself (select)"
-    if cls.pools_clients:
-        return "it trains one model on every client's data at once"
-    if model is not None and not isinstance(method, type) and method.personal_keys(model):
-        return "it keeps personal tensors on the clients, which a buffered step does not gather"
-    return ""

@@ -618,3 +618,23 @@ class SpareModels:
 
 def client_weight(ctx: ClientContext) -> float:
     return 1.0 if ctx.train.weighting == "uniform" else float(ctx.data.num_train)
+
+
+def buffered_refusal(method, model: nn.Module | None = None) -> str:
+    """Why ``method`` (a Method or its class) cannot run a buffered schedule, in a few words; ""
+    where it can: its upload is the shared model, folded by the weighted mean, and its server
+    step is the default one (or its own ``buffered_step``)."""
+    cls = method if isinstance(method, type) else type(method)
+    if not isinstance(cls.aggregator, WeightedMean):
+        return "its server step needs every client's upload of one round (it keeps them all)"
+    if cls.aggregate is not Method.aggregate and cls.buffered_step is Method.buffered_step:
+        return "it has its own server step over every client of one round (aggregate)"
+    if cls.client_payload is not Method.client_payload:
+        return "it sends each client a payload of its own, built for the round"
+    if cls.select is not Method.select:
+        return "it selects each round's clients itself (select)"
+    if cls.pools_clients:
+        return "it trains one model on every client's data at once"
+    if model is not None and not isinstance(method, type) and method.personal_keys(model):
+        return "it keeps personal tensors on the clients, which a buffered step does not gather"
+    return ""

@@ -193,7 +193,7 @@ def buffered_schedule(cfg, method, per_round: int, clocked: bool, model=None) ->
     deadline, a loss-asking selection, or a method whose upload is not a model update."""
     from dataclasses import replace
 
-    from raysim.core.buffered import refusal
+    from raysim.core.contract import buffered_refusal as refusal
     from raysim.core.errors import UserError
     if schedule_kind(cfg, method) != "buffered":
         return None

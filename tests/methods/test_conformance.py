@@ -24,7 +24,7 @@ from raysim.config import load_config
 from raysim.app.experiment import federation
 from raysim.methods import registry
 from raysim.engine.backend import InProcess
-from raysim.testing import TINY, ElsewherePlan, run_rounds
+from raysim.testing import ElsewherePlan, config_for, run_rounds
 from raysim.engine.loop import Callback
 
 
@@ -53,7 +53,7 @@ def test_method_conforms(method, tmp_path, ray_session, examples_on_path):
     # reference of the layouts below, between two looks at torch's, numpy's and Python's state
     torch.manual_seed(123), np.random.seed(123), random.seed(123)
     before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
-    cfg = load_config(raw={**TINY, "method": method})
+    cfg = load_config(raw=config_for(method))
     assert cfg.runtime.num_hosts == 1
     fed = federation(cfg, str(tmp_path / "one_host"), progress=False, backend=InProcess())
     fed.callbacks.append(KeepHosts())

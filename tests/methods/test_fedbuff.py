@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from raysim.core.aggregation import WeightedMean
-from raysim.core.buffered import BufferedUploads, delta_upload, refusal
+from raysim.core.buffered import BufferedUploads, delta_upload
+from raysim.core.contract import buffered_refusal as refusal
 from raysim.core.contract import Upload
 from raysim.methods import registry
 from raysim.testing import setup

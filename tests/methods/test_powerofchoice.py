@@ -188,7 +188,7 @@ def test_the_query_is_charged_to_the_clock_and_a_method_that_does_not_ask_pays_n
         raise AssertionError("a loss query for a method whose select does not ask")
     monkeypatch.setattr(ClientHost, "local_losses", never)
     avg = testing.run_rounds("fedavg", tmp_path / "fedavg", "clients_per_round=1", "rounds=1", config=config)
-    assert set(avg[avg.split == "clock"].metric) == {"sim_round_s", "completed", "sampled"}
+    assert set(avg[avg.split == "clock"].metric) == {"sim_round_s", "sim_time", "completed", "sampled"}
     assert avg[(avg.split == "comm") & (avg.metric == "bytes_down")].value.tolist() == [size]
 
 
