@@ -32,8 +32,9 @@ from raysim.engine.determinism import configure as configure_determinism
 from raysim.engine.evaluation import Evaluator
 from raysim.engine.federation import Federation
 from raysim.core.training import evaluate
-from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, TrainedClients, client_payload,
-                                    unbox)
+from raysim.engine.cluster import owner_of
+from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, StepPlan, TrainedClients, TrainJobs,
+                                    client_payload, unbox)
 from raysim.core.buffered import delta_upload
 from raysim.core.seeding import generator_for
 from raysim.engine.store import ClientStateStore, state_nbytes
@@ -115,6 +116,7 @@ class ClientHost:
         self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
         self.fed = Federation(cfg)
         self.client_ids = range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts)
+        self.owner = owner_of(self.num_hosts)  # the host of each client: this host's are client_ids
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -325,15 +327,18 @@ class ClientHost:
                                bytes_up_eval=eval_bytes, seconds=partial.seconds)
 
     # ------------------------------------------------------------------ buffered schedule
-    def train_jobs(self, jobs: list[tuple[int, int]], payloads: dict[int, list]) -> dict[int, float]:
-        """Train each (client, version) job (ascending client) from its version's payload, its
-        draws keyed as round version + 1, and keep its delta upload (raysim.core.buffered) until
-        :meth:`fold`; returns each job's simulated duration (the clock's compute and transfer)."""
+    def train_jobs(self, work: TrainJobs, ahead: bool = False) -> dict[int, float]:
+        """Train each of this host's (client, version) jobs of ``work`` (``ahead``: those to train
+        after the step) in ascending client order from its version's payload, its draws keyed as
+        round version + 1, and keep its delta upload (raysim.core.buffered) until :meth:`fold`;
+        returns each job's simulated duration (the clock's compute and transfer)."""
         t0 = time.perf_counter()
         on_device, durations = {}, {}
-        for cid, version in sorted(jobs):
+        for cid, version in sorted(work.ahead if ahead else work.jobs):
+            if self.owner(cid) != self.host_id:
+                continue
             if version not in on_device:  # each version's payload to the device once per call
-                on_device[version] = to_device(unbox(payloads[version]), self.device, what="payload")
+                on_device[version] = to_device(unbox(work.payloads[version]), self.device, what="payload")
             mine, rnd = on_device[version], version + 1
             if not self.clock.fits(cid):  # it cannot train this model: arrives with nothing to fold
                 self._jobs[cid] = (None, self._record(cid), ClientClock.dropped_metrics(), 0)
@@ -358,10 +363,13 @@ class ClientHost:
         self._job_seconds = getattr(self, "_job_seconds", 0.0) + time.perf_counter() - t0
         return durations
 
-    def fold(self, rnd: int, folded: list[tuple[int, float, int]], dropped: list[tuple[int, int]]) -> HostRoundResult:
-        """Server step ``rnd``'s share of this host: the listed jobs' records stored, their delta
-        uploads folded with weight w_i × s(τ_i) (``folded``: (client, s(τ), τ)); ``dropped``:
-        (client, τ) of arrivals too stale to fold (their records are stored all the same)."""
+    def fold(self, rnd: int, plan: StepPlan) -> HostRoundResult:
+        """Server step ``rnd``'s share of this host: its folded jobs' records stored, their delta
+        uploads folded with weight w_i × s(τ_i); its dropped jobs (arrivals too stale to fold):
+        their records stored all the same."""
+        mine = self.owner
+        folded = [(c, s, tau) for c, s, tau, _ in plan.folded if mine(c) == self.host_id]
+        dropped = [(c, tau) for c, tau in plan.dropped if mine(c) == self.host_id]
         partial = self.method.aggregator.start()
         metrics, weights, bytes_up = {}, {}, 0
         for cid, scale, tau in sorted(folded):

@@ -30,7 +30,7 @@ from raysim.engine import checkpoint, runstate
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
-from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, StepPlan, TrainedClients, TrainJobs, box
+from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
@@ -101,6 +101,7 @@ class FederationRun:
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
         self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
+        self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -312,27 +313,18 @@ class FederationRun:
     def _buffered_step(self, rnd: int) -> RoundSummary:
         """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the free slots
         dispatched at the last step's simulated time, every job whose duration is unknown trained
-        (all hosts at once, each on its client's owner), then the step's arrivals taken in
-        simulated order and folded. Nothing here depends on which host answers first."""
+        (all hosts at once, each its own clients'), then the step's arrivals taken in simulated
+        order and folded. The calls are chained (each takes the refs of the ones before), so the
+        driver waits once per step; nothing here depends on which host answers first."""
         server = self.server
         self.doing = f"server step {rnd}"
-        work: TrainJobs = self._call(server.dispatch.remote())
-        version = dict(work.jobs)
-        futures = [self.hosts[h].train_jobs.remote([(c, version[c]) for c in cids],
-                                                   {v: work.payloads[v] for v in {version[c] for c in cids}})
-                   for h, cids in split_by_host(sorted(version), self.owner).items()]
-        durations = {}
-        for part in self._call(futures):
-            durations.update(part)
-        plan: StepPlan = self._call(server.step.remote(durations))
-        folded = split_by_host([c for c, *_ in plan.folded], self.owner)
-        dropped = split_by_host([c for c, _ in plan.dropped], self.owner)
-        weights = {c: (s, tau) for c, s, tau, _ in plan.folded}
-        staleness = dict(plan.dropped)
-        futures = [host.fold.remote(rnd, [(c, *weights[c]) for c in folded.get(h, [])],
-                                    [(c, staleness[c]) for c in dropped.get(h, [])])
-                   for h, host in enumerate(self.hosts)]
-        return self._call(server.aggregate_buffered.remote(rnd, plan, *futures))
+        jobs = server.dispatch.remote()
+        durations = [host.train_jobs.remote(jobs) for host in self.hosts]
+        plan = server.step.remote(*self._training_ahead, *durations)
+        folds = [host.fold.remote(rnd, plan) for host in self.hosts]
+        # the jobs this step did not need train while the server aggregates; the next step reads them
+        self._training_ahead = [host.train_jobs.remote(jobs, True) for host in self.hosts]
+        return self._call(server.aggregate_buffered.remote(rnd, plan, *folds))
 
     def _evaluate(self, rnd: int) -> dict:
         """Every requested (client, split)'s scores of the model after round ``rnd``."""
@@ -502,7 +494,7 @@ class FederationRun:
         return time.monotonic() - self._ckpt_at >= max(c.minutes * 60, CHECKPOINT_COST_CAP * self._ckpt_seconds)
 
     def _restore(self, ckpt: dict | None) -> int:
-        self.state_bytes = {}
+        self.state_bytes, self._training_ahead = {}, []
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0

@@ -129,13 +129,16 @@ class HostRoundResult:
 
 @dataclass
 class TrainJobs:
-    """The server's jobs for the hosts to train before the next buffered step: every client in
-    flight whose simulated duration is not known yet."""
+    """The server's jobs for the hosts to train: those the next buffered step needs, before it;
+    those it does not (they arrive after its K-th arrival whatever they take), after it, while the
+    server aggregates (raysim.engine.timeline)."""
 
     jobs: list[tuple[int, int]]
-    """(client, model version) pairs, ascending by client."""
+    """(client, model version) pairs to train before the step, ascending by client."""
     payloads: dict[int, list]
     """Version -> its broadcast payload in a box (:func:`box`)."""
+    ahead: list[tuple[int, int]] = field(default_factory=list)
+    """(client, model version) pairs to train after the step, ascending by client."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from raysim.core.aggregation import WeightedMean
 from raysim.core.contract import Method
 from raysim.core.selection import STATE_KEY as SELECTION_KEY, SelectionContext, from_config as selection_from_config
 from raysim.core.errors import UserError
-from raysim.engine.clock import read_trace
+from raysim.engine.clock import device_time, read_trace
 from raysim.engine.federation import ClientDomains, Federation
 from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, StepPlan, TrainJobs, box
 from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
@@ -64,6 +64,7 @@ class Server:
         self.timeline = self.buffered.timeline() if self.buffered is not None else None
         self.versions: dict[int, dict] = {}  # version -> its broadcast payload (CPU), while a job of it is in flight
         self.dispatches = 0
+        self.training: set[int] = set()  # clients handed to the hosts to train after a step, durations not in yet
 
     def _initial_state(self) -> dict:
         """The method's initial server state, and the selection's where it keeps one."""
@@ -243,23 +244,35 @@ class Server:
             take = min(tl.free_slots, len(online))
             ctx = SelectionContext(round=self.dispatches, online=online, m=take, rng=rng, num_train=self._num_train)
             chosen = online.tolist() if take == len(online) else self.selection.choose(None, ctx, {})
-            tl.dispatch(chosen)
             if tl.version not in self.versions:
                 self.versions[tl.version] = self.method.broadcast(self.state, tl.version + 1)
+            down = tensors_nbytes(self.versions[tl.version])
+            tl.dispatch(chosen, [self._least_seconds(c, down) for c in chosen])
             # the new clients' downloads (jobs trained again after a restore downloaded before it)
-            self._bytes_down = len(chosen) * tensors_nbytes(self.versions[tl.version])
+            self._bytes_down = len(chosen) * down
         else:
             self._bytes_down = 0
-        jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on]
+        needed = set(tl.needed(self.training))
+        jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
+        self.training.update(c for c, _ in jobs if c not in needed)
         payloads = {v: box(_put(self.versions[v])) for v in sorted({v for _, v in jobs})}
-        return TrainJobs(jobs, payloads)
+        return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed])
 
-    def step(self, durations: dict[int, float]) -> StepPlan:
-        """Record the trained jobs' simulated durations and take the next server step's arrivals
-        (raysim.engine.timeline): which clients fold with which staleness weight, which are dropped."""
+    def _least_seconds(self, client: int, bytes_down: int) -> float:
+        """A lower bound of a job's simulated duration: its model's download at its bandwidth (the
+        clock adds compute and upload; nothing where the client's device may not hold the model:
+        it arrives at once)."""
+        profile = self.fed.profile(client)
+        return 0.0 if "memory_mb" in profile else device_time(profile, 0.0, bytes_down, 0)[1]
+
+    def step(self, *durations: dict[int, float]) -> StepPlan:
+        """Record the trained jobs' simulated durations (a dict from each host) and take the next
+        server step's arrivals (raysim.engine.timeline): which clients fold with which staleness
+        weight, which are dropped."""
         tl = self.timeline
-        for c, seconds in sorted(durations.items()):
+        for c, seconds in sorted(((c, s) for part in durations for c, s in part.items())):
             tl.trained(int(c), seconds)
+            self.training.discard(int(c))
         step = tl.step()
         s = self.buffered.staleness
         folded = [(a.job.client, s.weight(a.staleness), a.staleness, a.job.version) for a in step.folded]
@@ -322,6 +335,7 @@ class Server:
             self.timeline = Timeline.restore(data)
             self.versions = {int(v): p for v, p in kept["versions"].items()}
             self.dispatches = int(kept["dispatches"])
+            self.training = set()
 
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""

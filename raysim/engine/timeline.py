@@ -13,8 +13,12 @@ An arrival staler than ``max_staleness`` server steps is dropped: it frees its s
 not count towards K. When nothing is left in flight the server steps with the uploads it has
 (fewer than K). Only then may a step take fewer than K.
 
-A step can only be taken once every job in flight has its duration (all of them trained): the
-earliest arrival is not known before. That is what makes the run independent of real time.
+A step needs the duration of every job whose arrival could be among its K: each job in flight
+has an earliest arrival known at dispatch (its start plus a lower bound of its duration, the
+download of its model at its bandwidth), and a job whose earliest arrival comes after the K-th
+folded arrival of the jobs already trained cannot be among them, so it may train later (after
+this step, while the server aggregates). The step is the one every duration would give; nothing
+depends on real time.
 A client is never in flight twice, and a client dispatched at version v trains with the draws
 keyed as round v + 1: with C = K = clients per round and every client fresh, the draws are the
 synchronous round's.
@@ -80,6 +84,9 @@ class Timeline:
     in_flight: dict[int, Job] = field(default_factory=dict)
     durations: dict[int, float] = field(default_factory=dict)
     """Client -> its in-flight job's simulated duration, once it trained."""
+    earliest: dict[int, float] = field(default_factory=dict)
+    """Client -> its in-flight job's earliest arrival (start + a lower bound of its duration); a job
+    not listed may arrive at its start."""
 
     def __post_init__(self):
         if not 1 <= self.buffer <= self.concurrency:
@@ -89,8 +96,9 @@ class Timeline:
     def free_slots(self) -> int:
         return self.concurrency - len(self.in_flight)
 
-    def dispatch(self, clients) -> list[Job]:
-        """Start ``clients`` (in the order given) now, from the current version."""
+    def dispatch(self, clients, least_seconds=None) -> list[Job]:
+        """Start ``clients`` (in the order given) now, from the current version; ``least_seconds``:
+        a lower bound of each one's duration (none: 0)."""
         clients = [int(c) for c in clients]
         twice = next((c for i, c in enumerate(clients) if c in self.in_flight or c in clients[:i]), None)
         if twice is not None:
@@ -99,6 +107,8 @@ class Timeline:
             raise ValueError(f"{len(clients)} clients dispatched with {self.free_slots} free slots")
         jobs = [Job(c, self.version, self.now) for c in clients]
         self.in_flight.update((j.client, j) for j in jobs)
+        if least_seconds is not None:
+            self.earliest.update((j.client, j.start + float(s)) for j, s in zip(jobs, least_seconds))
         return jobs
 
     def trained(self, client: int, seconds: float) -> None:
@@ -115,20 +125,45 @@ class Timeline:
         return sorted(c for c in self.in_flight if c not in self.durations)
 
     def arrivals(self) -> list[Arrival]:
-        """Every in-flight job's arrival, in simulated order (finish, client); needs every duration."""
-        if self.waiting_on:
-            raise RuntimeError(f"clients {self.waiting_on} have not trained yet: their arrival is unknown")
-        out = [Arrival(j, j.start + self.durations[c], self.version - j.version) for c, j in self.in_flight.items()]
+        """The arrivals of the jobs in flight that trained, in simulated order (finish, client)."""
+        out = [Arrival(j, j.start + self.durations[c], self.version - j.version)
+               for c, j in self.in_flight.items() if c in self.durations]
         return sorted(out, key=lambda a: (a.finish, a.job.client))
 
-    def step(self) -> Step:
-        """Take arrivals in simulated order until ``buffer`` are folded (or nothing is left in
-        flight); the server steps at the last one's time. Their clients leave the flight."""
+    def _take(self, arrivals: list[Arrival]) -> tuple[list[Arrival], list[Arrival]]:
+        """(folded, dropped): arrivals in order until ``buffer`` are folded."""
         folded, dropped = [], []
-        for a in self.arrivals():
+        for a in arrivals:
             if len(folded) == self.buffer:
                 break
             (dropped if self.max_staleness is not None and a.staleness > self.max_staleness else folded).append(a)
+        return folded, dropped
+
+    def needed(self, training=()) -> list[int]:
+        """The untrained clients in flight (other than those in ``training``) whose duration the
+        next step needs: each whose earliest arrival is not after the K-th folded arrival of the
+        trained ones (all of them while the trained ones do not fill the buffer). The others may
+        train after it. Trained jobs only move the K-th arrival earlier, so this holds whatever
+        ``training``'s jobs turn out to take."""
+        untrained = [c for c in self.waiting_on if c not in set(training)]
+        folded, _ = self._take(self.arrivals())
+        if len(folded) < self.buffer:
+            return untrained
+        last = (folded[-1].finish, folded[-1].job.client)
+        return [c for c in untrained if self._earliest(c) <= last]
+
+    def _earliest(self, client: int) -> tuple[float, int]:
+        return self.earliest.get(client, self.in_flight[client].start), client
+
+    def step(self) -> Step:
+        """Take arrivals in simulated order until ``buffer`` are folded (or nothing is left in
+        flight); the server steps at the last one's time. Their clients leave the flight. Every
+        job that could arrive among them must have trained (:meth:`needed`)."""
+        folded, dropped = self._take(self.arrivals())
+        waiting = self.waiting_on
+        if waiting and (len(folded) < self.buffer
+                        or any(self._earliest(c) <= (folded[-1].finish, folded[-1].job.client) for c in waiting)):
+            raise RuntimeError(f"clients {self.needed()} have not trained yet: the step's arrivals are unknown")
         taken = folded + dropped
         if not taken:
             raise RuntimeError("no client is in flight: dispatch before stepping")
@@ -136,6 +171,7 @@ class Timeline:
         for a in taken:
             del self.in_flight[a.job.client]
             del self.durations[a.job.client]
+            self.earliest.pop(a.job.client, None)
         if folded:  # every arrival too stale: no update, no new version
             self.version += 1
         return Step(self.version, self.now, tuple(folded), tuple(sorted(dropped, key=lambda a: (a.finish, a.job.client))))

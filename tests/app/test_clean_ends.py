@@ -148,6 +148,24 @@ def test_a_bug_in_one_method_stops_it_alone_with_its_traceback_and_the_others_fi
     assert not no_ray_left(seen)
 
 
+@pytest.mark.slow  # one buffered federation to round 2 (~15 s): make test-slow
+def test_a_bug_in_a_buffered_client_step_shows_its_traceback_not_a_lost_host(tmp_path):
+    """The buffered step chains its calls (a host's result is the server's argument): a method's
+    exception still arrives as itself, with its file and line, and nothing is replayed."""
+    levels = '[{name: fast, flops: 2.0e+9, up_mbps: 10, down_mbps: 50}]'
+    driver = start(tmp_path, "method=plugin:BuggyClient", "schedule.kind=buffered", "schedule.buffer=2",
+                   "clients_per_round=4", f"clients.profiles.levels={levels}")
+    try:
+        rc = driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    text = (tmp_path / "stderr").read_text()
+    assert rc == 1, text
+    assert f'File "{tmp_path / "plugin.py"}", line {line_of("return table[key]")}, in lookup' in text, text
+    assert "KeyError: 'missing'" in text and "replacing" not in text and " lost in round" not in text, text
+
+
 CASES = {  # how the comparison is ended -> its exit code and last line
     "ctrl-c": (signal.SIGINT, 130, r"raysim: interrupted.*resume with: raysim run --resume run"),
     "sigterm": (signal.SIGTERM, 143, r"raysim: interrupted.*resume with: raysim run --resume run"),

@@ -161,7 +161,8 @@ def test_the_servers_timeline_on_a_toy_clock_by_hand():
     assert (plan.version, plan.time) == (2, 3.0)
     for _ in range(30):  # thirty more steps: a dispatch never draws a client in flight
         flying = set(server.timeline.in_flight)
-        jobs = server.dispatch().jobs
+        work = server.dispatch()
+        jobs = work.jobs + work.ahead  # those the step needs and those it does not
         assert jobs and not {cl for cl, _ in jobs} & flying
         server.step({cl: 1.0 + cl % 3 for cl, _ in jobs})
 

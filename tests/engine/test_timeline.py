@@ -82,6 +82,35 @@ def test_a_step_waits_for_every_duration_and_the_order_is_simulated_not_real():
     assert steps([0, 1, 2, 3]) == steps([3, 2, 1, 0]) == steps([2, 0, 3, 1]) == [(1, 1.0), (3, 1.0)]
 
 
+def test_a_job_whose_earliest_arrival_comes_after_the_kth_may_train_after_the_step():
+    """Lower bounds of the durations (the download) let a step go before every job trained: only
+    jobs whose earliest arrival is not after the K-th folded known arrival are needed, and the
+    step is the one all durations give."""
+    durations = {0: 1.0, 1: 2.0, 2: 2.5, 3: 4.0}
+
+    def timeline():
+        t = Timeline(concurrency=4, buffer=2)
+        t.dispatch([0, 1, 2, 3], least_seconds=[0.5, 0.5, 1.5, 2.0])  # earliest arrivals 0.5, 0.5, 1.5, 2
+        return t
+
+    full = timeline()
+    for c, s in durations.items():
+        full.trained(c, s)
+    expected = full.step()
+    lazy = timeline()
+    assert lazy.needed() == [0, 1, 2, 3]  # nothing trained yet: the K-th arrival is unknown
+    assert lazy.needed(training=[0, 1]) == [2, 3]  # jobs being trained are not asked twice
+    lazy.trained(0, 1.0), lazy.trained(1, 2.0)  # K-th known arrival: client 1 at 2 s
+    assert lazy.needed() == [2]  # 2 may arrive at 1.5 s; 3 not before 2 s, and a tie there puts client 1 first
+    with pytest.raises(RuntimeError, match=r"clients \[2\] have not trained yet"):
+        lazy.step()
+    lazy.trained(2, 2.5)
+    assert lazy.needed() == []
+    got = lazy.step()
+    assert (got.time, got.version, [a.job.client for a in got.folded]) == (expected.time, expected.version, [0, 1])
+    assert lazy.waiting_on == [3] and set(lazy.in_flight) == {2, 3}  # 3 trains after the step
+
+
 def test_a_job_is_keyed_as_the_synchronous_round_of_its_version():
     assert Job(client=3, version=0, start=0.0).round == 1 and Job(3, 6, 9.5).round == 7
 
