@@ -12,8 +12,9 @@ bottom it is the paper's algorithm box:
                         may override ``select`` instead (one phase, no loss query);
 * ``broadcast`` / ``client_payload``  what every client / one client receives;
 * ``local_update``      the client step, on the client's model and its persistent ``state``;
-* ``local_loss``        (optional) the same step as a per-batch loss, so a host may train many
-                        clients at once (client cohorts, ``runtime.cohort_size``);
+* ``local_loss``        (optional) the step as a per-batch loss instead, so a host may train many
+                        clients at once (client cohorts, ``runtime.cohort_size``): the default
+                        ``local_update`` then runs it for a client alone;
 * ``aggregator`` + ``aggregate``  how uploads are combined (:mod:`raysim.core.aggregation`) and the server step.
 
 The engine never special-cases a method. It runs ``local_update`` on the host that owns the
@@ -115,7 +116,9 @@ class LocalLoss:
     batches, optimizer state and random streams, exactly as ``local_update`` would one by one.
 
     The step it stands for: ``ctx.batches()`` with ``ctx.optimizer(lr=lr)`` and ``ctx.step(loss)``
-    (gradient clipping at train.grad_clip), then ``finish(ctx)`` on the trained model."""
+    (gradient clipping at train.grad_clip), then ``finish(ctx)`` on the trained model; for one
+    client alone, :func:`raysim.core.training.train_local_loss` runs it (the default
+    :meth:`Method.local_update`)."""
     # loss(forward, params, batch, tensors) -> scalar: ``forward(x)`` is the model under this
     # client's parameters and buffers, ``params`` {name: parameter} (what ``model.named_parameters()``
     # gives), ``batch`` the (x, y) of ``ctx.batches()``, ``tensors`` the dict below. A pure function
@@ -538,16 +541,23 @@ class Method:
         load_tensors(model, state.get("personal", {}))
 
     def local_update(self, ctx: ClientContext) -> Upload:
-        """E epochs of SGD on the cross-entropy (:func:`raysim.core.training.train_epochs`)."""
-        from raysim.core.training import train_epochs
-        return self.upload(ctx, train_epochs(ctx))
+        """The step of :meth:`local_loss` where the method gives one
+        (:func:`raysim.core.training.train_local_loss`); else E epochs of SGD on the cross-entropy
+        (:func:`raysim.core.training.train_epochs`)."""
+        from raysim.core.training import train_epochs, train_local_loss
+        spec = self.local_loss(ctx)
+        if spec is None:
+            return self.upload(ctx, train_epochs(ctx))
+        return train_local_loss(self, ctx, spec)
 
     def local_loss(self, ctx: ClientContext) -> LocalLoss | None:
-        """``local_update`` written as a per-batch loss (:class:`LocalLoss`), for client cohorts;
-        None (the default): the method trains its clients one by one. Called on the client's
-        loaded model, where ``local_update`` would be (it may read ``ctx.state`` and the payload,
-        and run passes of its own first). The engine uses it only where the class that defines it
-        also defines, or inherits unchanged, the ``local_update`` it stands for."""
+        """The client step written as a per-batch loss (:class:`LocalLoss`), for client cohorts,
+        and run by the default ``local_update`` for a client alone; None (the default): the method
+        trains its clients one by one. Called on the client's loaded model, where ``local_update``
+        would be (it may read ``ctx.state`` and the payload, and run passes of its own first). The
+        engine uses it only where the class that defines it also defines, or inherits unchanged,
+        the ``local_update`` it stands for: this default one, or a step of its own written beside
+        it (FedWon's); a subclass that overrides ``local_update`` alone trains one by one."""
         return None
 
     def upload(self, ctx: ClientContext, stats: dict) -> Upload:

@@ -2,7 +2,8 @@
 
 A method with its own client step writes its loop with the context's primitives
 (``ctx.optimizer()``, ``ctx.batches()``, ``ctx.step(loss, opt)``, ``ctx.stats()``);
-:func:`train_epochs` is that loop on the plain cross-entropy.
+:func:`train_epochs` is that loop on the plain cross-entropy, :func:`train_local_loss` the loop a
+method's per-batch loss (``Method.local_loss``) stands for.
 """
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def train_epochs(ctx, optimizer: torch.optim.Optimizer | None = None) -> dict:
     for x, y in ctx.batches():
         ctx.step(F.cross_entropy(ctx.model(x), y), opt)
     return ctx.stats()
+
+
+def train_local_loss(method, ctx, spec):
+    """The client step ``spec`` (a :class:`~raysim.core.contract.LocalLoss`) stands for, one client
+    alone: ``spec.loss`` on each of ``ctx.batches()`` under the model's own forward, one
+    ``ctx.step`` each, then ``spec.finish(ctx)`` (default: ``method.upload(ctx, ctx.stats())``).
+    ``Method.local_update`` runs it, so a method that writes its step as a loss for client cohorts
+    writes it once, and the cohort and the lone client train the same step."""
+    model = ctx.model
+    opt = ctx.optimizer(lr=spec.lr)
+    for batch in ctx.batches():
+        ctx.step(spec.loss(model, dict(model.named_parameters()), batch, spec.tensors), opt)
+    return spec.finish(ctx) if spec.finish is not None else method.upload(ctx, ctx.stats())
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ client uploads of non-model statistics and a server-built bank broadcast back, c
 the loop primitives, the aggregators and the declared settings on hand-computed values."""
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from raysim.core.aggregation import Mean
 from raysim.config import load_config
-from raysim.core.contract import ClientData, Method
+from raysim.core.contract import ClientData, LocalLoss, Method, Upload
 from raysim.core.errors import TrainingDiverged, UserError
 from raysim.app.experiment import federation
 from raysim.core.hparams import Hparams
@@ -234,6 +234,44 @@ def test_step_and_stats_by_hand():
     for xb, yb in capped.batches():
         capped.step(F.cross_entropy(capped.model(xb), yb), opt)
     assert capped.steps == 3 and len(drawn) == 3
+
+
+def shifted_loss(forward, params, batch, mine):
+    return F.cross_entropy(forward(batch[0]), batch[1]) + (mine["shift"] * params["weight"]).sum()
+
+
+class Shifted(Method):
+    """A step written only as a per-batch loss: CE + <shift, w>, at its own lr 0.2."""
+    name = "toy_local_loss"
+    Hparams = NoHparams
+
+    def local_loss(self, ctx):
+        return LocalLoss(shifted_loss, tensors={"shift": torch.tensor([[1.0], [0.0]])}, lr=0.2)
+
+
+class ShiftedFinished(Shifted):
+    """The same step, its upload made by the loss's ``finish``."""
+
+    def local_loss(self, ctx):
+        return replace(super().local_loss(ctx), finish=lambda ctx: Upload({}, weight=7.0, metrics=ctx.stats()))
+
+
+def test_the_default_local_update_runs_the_local_loss_by_hand():
+    """One batch (x = 1, y = 0) from w = 0: the gradient is softmax - onehot + shift = (-1/2, 1/2) +
+    (1, 0), and the step at the loss's lr 0.2 (not the round's 0.5) gives w = (-0.1, -0.1). Then
+    the loss's finish makes the upload, or without one the method's standard upload; a method
+    without a loss trains FedAvg's step at the round's lr."""
+    x, y = torch.tensor([[1.0]]), torch.tensor([0])
+    method = Shifted(NoHparams(), None)
+    ctx = context([(x, y)])
+    up = method.local_update(ctx)
+    assert torch.allclose(ctx.model.weight, torch.tensor([[-0.1], [-0.1]]), rtol=0, atol=1e-7)
+    assert up.metrics == {"loss": pytest.approx(math.log(2)), "steps": 1} and up.weight == 1.0
+    assert torch.equal(up.tensors["weight"], ctx.model.weight)
+    assert ShiftedFinished(NoHparams(), None).local_update(context([(x, y)])).weight == 7.0
+    plain = context([(x, y)])
+    Method(NoHparams(), None).local_update(plain)
+    assert torch.allclose(plain.model.weight, torch.tensor([[0.25], [-0.25]]), rtol=0, atol=1e-7)
 
 
 def test_iterations_per_epoch_cycle_through_passes_and_stop_at_the_budget():
