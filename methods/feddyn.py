@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
 from raysim.core.hparams import Hparams, Space
@@ -64,27 +63,18 @@ class FedDyn(Method):
     def init_client_state(self, client_id, model):
         return {"g": _zeros(model)}
 
-    def local_update(self, ctx: ClientContext) -> Upload:
-        model, alpha = ctx.model, self.hp.alpha
-        anchor = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}  # theta^{t-1}
-        g = {k: v.to(ctx.device) for k, v in ctx.state["g"].items()}
-        opt = ctx.optimizer()
-        for x, y in ctx.batches():
-            params = {k: p for k, p in model.named_parameters() if k in g}
-            ctx.step(F.cross_entropy(model(x), y) + dynamic_regularizer(params, g, anchor, alpha), opt)
-        return self.finish(ctx, g, anchor)
-
     def local_loss(self, ctx: ClientContext) -> LocalLoss:
-        """The same step for client cohorts: g_k and theta^{t-1} are the client's tensors."""
-        anchor = {k: p.detach().clone() for k, p in ctx.model.named_parameters() if p.requires_grad}
+        """The client step as a per-batch loss: g_k and theta^{t-1} are the client's tensors it reads."""
+        anchor = {k: p.detach().clone() for k, p in ctx.model.named_parameters() if p.requires_grad}  # theta^{t-1}
         g = {k: v.to(ctx.device) for k, v in ctx.state["g"].items()}
         return LocalLoss(self.batch_loss, tensors={"g": g, "anchor": anchor},
                          finish=lambda ctx: self.finish(ctx, g, anchor))
 
     def batch_loss(self, forward, params, batch, mine):
-        g = mine["g"]
-        regular = dynamic_regularizer({k: p for k, p in params.items() if k in g}, g, mine["anchor"], self.hp.alpha)
-        return cross_entropy(forward, params, batch, mine) + regular
+        """L_k on the batch - <g_k, theta> + (alpha / 2) ||theta - theta^{t-1}||^2, over the parameters in g_k."""
+        g = mine["g"]  # the cross-entropy first: the order autograd sums a parameter's gradients in
+        return cross_entropy(forward, params, batch, mine) + dynamic_regularizer(
+            {k: p for k, p in params.items() if k in g}, g, mine["anchor"], self.hp.alpha)
 
     def finish(self, ctx: ClientContext, g: dict, anchor: dict) -> Upload:
         """g_k <- g_k - alpha (theta_k^t - theta^{t-1}), and the upload (uniform weight)."""

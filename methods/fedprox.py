@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from raysim.core.contract import ClientContext, LocalLoss, Method, Upload, cross_entropy
+from raysim.core.contract import ClientContext, LocalLoss, Method, cross_entropy
 from raysim.core.hparams import Hparams, Space
 from raysim.core.settings import setting
 
@@ -37,23 +36,13 @@ class FedProx(Method):
     paper = "Li et al., MLSys 2020"
     shares = 'shares the whole model (local proximal term to the global model); keeps nothing'
 
-    def local_update(self, ctx: ClientContext) -> Upload:
-        model, mu = ctx.model, self.hp.mu
-        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # w^{t-1}
-        opt = ctx.optimizer()
-        for x, y in ctx.batches():
-            loss = F.cross_entropy(model(x), y)
-            if mu > 0:
-                loss = loss + proximal_term(dict(model.named_parameters()), anchor, mu)
-            ctx.step(loss, opt)
-        return self.upload(ctx, ctx.stats())
-
     def local_loss(self, ctx: ClientContext) -> LocalLoss:
-        """The same step for client cohorts: w^{t-1} is the client's tensor the loss reads."""
-        anchor = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+        """The client step (Eq. 2) as a per-batch loss: w^{t-1} is the client's tensor it reads."""
+        anchor = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}  # w^{t-1}
         return LocalLoss(self.batch_loss, tensors=anchor)
 
     def batch_loss(self, forward, params, batch, anchor):
+        """F_k on the batch + (mu / 2) ||w - w^{t-1}||^2 (no term at mu = 0)."""
         loss = cross_entropy(forward, params, batch, anchor)
         return loss + proximal_term(params, anchor, self.hp.mu) if self.hp.mu > 0 else loss
 

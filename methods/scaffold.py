@@ -58,9 +58,8 @@ def control_update(c_i: dict, c: dict, x: dict, y: dict, steps: int, lr: float) 
     return {k: c_i[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c_i}
 
 
-def correction(model, drift: dict) -> torch.Tensor:
+def correction(params: dict, drift: dict) -> torch.Tensor:
     """<c - c_i, y> over the parameters (``drift`` = c - c_i): its gradient is the correction."""
-    params = dict(model.named_parameters())
     return sum((d * params[k]).sum() for k, d in drift.items())
 
 
@@ -79,36 +78,24 @@ class Scaffold(Method):
     def init_client_state(self, client_id, model):
         return {"c": zero_variates(model)}
 
-    def local_update(self, ctx: ClientContext) -> Upload:
+    def local_loss(self, ctx: ClientContext) -> LocalLoss:
+        """Alg. 1 lines 7-11 as a per-batch loss: the drift c - c_i is the client's tensor it reads
+        (option I's full gradient at x is taken first)."""
         model, dev = ctx.model, ctx.device
         c = {k: v.to(dev) for k, v in ctx.payload["c"].items()}  # (kept on the CPU between rounds)
-        c_i = {k: v.to(dev) for k, v in ctx.state["c"].items()}
-        x = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if self.hp.option == "I":
-            c_new = full_gradient(ctx)
-            model.load_state_dict(x)  # the pass moved the BN statistics: train from x as received
-        drift = {k: c[k] - c_i[k] for k in c_i}
-        opt = ctx.optimizer()
-        for xb, yb in ctx.batches():
-            ctx.step(F.cross_entropy(model(xb), yb) + correction(model, drift), opt)  # g_i - c_i + c
-        return self.finish(ctx, x, c, c_i, c_new if self.hp.option == "I" else None)
-
-    def local_loss(self, ctx: ClientContext) -> LocalLoss:
-        """The same step for client cohorts: the drift c - c_i is the client's tensor the loss reads."""
-        model, dev = ctx.model, ctx.device
-        c = {k: v.to(dev) for k, v in ctx.payload["c"].items()}
         c_i = {k: v.to(dev) for k, v in ctx.state["c"].items()}
         x = {k: v.detach().clone() for k, v in model.state_dict().items()}
         c_new = None
         if self.hp.option == "I":
             c_new = full_gradient(ctx)
-            model.load_state_dict(x)
+            model.load_state_dict(x)  # the pass moved the BN statistics: train from x as received
         drift = {k: c[k] - c_i[k] for k in c_i}
         return LocalLoss(self.batch_loss, tensors=drift,
                          finish=lambda ctx: self.finish(ctx, x, c, c_i, c_new))
 
     def batch_loss(self, forward, params, batch, drift):
-        return cross_entropy(forward, params, batch, drift) + sum((d * params[k]).sum() for k, d in drift.items())
+        """f_i on the batch + <c - c_i, y>: its gradient is g_i(y) - c_i + c."""
+        return cross_entropy(forward, params, batch, drift) + correction(params, drift)
 
     def finish(self, ctx: ClientContext, x: dict, c: dict, c_i: dict, c_new: dict | None) -> Upload:
         """Alg. 1 lines 12-13 on the trained model: c_i+ (option II from the model's move), the upload."""

@@ -52,8 +52,9 @@ from raysim.engine.compute import METERED_LAYERS
 
 def cohort_ready(method: Method | type[Method]) -> bool:
     """Whether ``method`` (an instance or a class) trains in cohorts: it defines ``local_loss``, in
-    a class that also defines (or inherits unchanged) its ``local_update`` (a subclass overriding
-    the step without restating the loss keeps the per-client path)."""
+    a class that also defines (or inherits unchanged) its ``local_update``: ``Method``'s, which runs
+    the loss (FedProx, SCAFFOLD, FedDyn), or one written beside the loss (FedWon). A subclass
+    overriding the step without restating the loss keeps the per-client path."""
     cls = method if isinstance(method, type) else type(method)
     owner_loss, owner_update = _owner(cls, "local_loss"), _owner(cls, "local_update")
     return owner_loss is not Method and issubclass(owner_loss, owner_update)

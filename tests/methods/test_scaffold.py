@@ -29,7 +29,7 @@ def test_scaffold_removes_the_client_drift_on_two_quadratics():
             model = Scalar(float(x["theta"]))
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             drift = {n: c[n] - c_k[k][n] for n in c}
-            sgd_step(0.5 * (model.theta - ak).pow(2).sum() + correction(model, drift), opt)
+            sgd_step(0.5 * (model.theta - ak).pow(2).sum() + correction(dict(model.named_parameters()), drift), opt)
             y = {"theta": model.theta.detach().clone()}
             new = control_update(c_k[k], c, x, y, 1, lr)
             ups.append(Upload(y, 1.0, statistics={"theta": new["theta"] - c_k[k]["theta"]}))
