@@ -32,7 +32,6 @@ from raysim.engine.determinism import configure as configure_determinism
 from raysim.engine.evaluation import Evaluator
 from raysim.engine.federation import Federation
 from raysim.core.training import evaluate
-from raysim.engine.cluster import owner_of
 from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, StepPlan, TrainedClients, TrainJobs,
                                     client_payload, unbox)
 from raysim.core.buffered import delta_upload
@@ -116,7 +115,6 @@ class ClientHost:
         self.device = pick_device(gpu_ids if gpu_ids is not None else _ray_gpu_ids())
         self.fed = Federation(cfg)
         self.client_ids = range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts)
-        self.owner = owner_of(self.num_hosts)  # the host of each client: this host's are client_ids
         self.method = self.fed.method
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -335,7 +333,7 @@ class ClientHost:
         t0 = time.perf_counter()
         on_device, durations = {}, {}
         for cid, version in sorted(work.ahead if ahead else work.jobs):
-            if self.owner(cid) != self.host_id:
+            if cid not in self.client_ids:  # another host's client
                 continue
             if version not in on_device:  # each version's payload to the device once per call
                 on_device[version] = to_device(unbox(work.payloads[version]), self.device, what="payload")
@@ -367,9 +365,9 @@ class ClientHost:
         """Server step ``rnd``'s share of this host: its folded jobs' records stored, their delta
         uploads folded with weight w_i × s(τ_i); its dropped jobs (arrivals too stale to fold):
         their records stored all the same."""
-        mine = self.owner
-        folded = [(c, s, tau) for c, s, tau, _ in plan.folded if mine(c) == self.host_id]
-        dropped = [(c, tau) for c, tau in plan.dropped if mine(c) == self.host_id]
+        mine = self.client_ids
+        folded = [(c, s, tau) for c, s, tau, _ in plan.folded if c in mine]
+        dropped = [(c, tau) for c, tau in plan.dropped if c in mine]
         partial = self.method.aggregator.start()
         metrics, weights, bytes_up = {}, {}, 0
         for cid, scale, tau in sorted(folded):
