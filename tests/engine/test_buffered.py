@@ -105,6 +105,15 @@ def test_a_resumed_buffered_run_retrains_its_jobs_in_flight_to_the_same_metrics(
     assert metrics(out).equals(whole)
 
 
+@pytest.mark.slow  # one more federation in process (~15 s): make test-slow
+def test_steps_taken_before_every_job_trained_are_those_every_duration_gives(in_process, tmp_path, monkeypatch):
+    """With no lower bound of a duration every job trains before the next step; the metrics are
+    the same as with the bounds (a bound above a real duration would let a step miss an arrival)."""
+    from raysim.engine.server import Server
+    monkeypatch.setattr(Server, "_least_seconds", lambda self, client, bytes_down: 0.0)
+    assert run(tmp_path, backend=InProcess()).equals(in_process[1])
+
+
 def test_c_equal_k_equal_m_with_fresh_arrivals_is_fedavgs_synchronous_rounds(tmp_path):
     import numpy as np
     every = ["eval.every=1", "train.weighting=uniform", "clients_per_round=9", "data.options.image_size=16"]
