@@ -145,7 +145,8 @@ class Timeline:
         trained ones (all of them while the trained ones do not fill the buffer). The others may
         train after it. Trained jobs only move the K-th arrival earlier, so this holds whatever
         ``training``'s jobs turn out to take."""
-        untrained = [c for c in self.waiting_on if c not in set(training)]
+        training = set(training)
+        untrained = [c for c in self.waiting_on if c not in training]
         folded, _ = self._take(self.arrivals())
         if len(folded) < self.buffer:
             return untrained
