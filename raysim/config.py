@@ -169,9 +169,10 @@ class ProfilesConfig:
 @dataclass
 class SelectionConfig:
     """Which online clients train in a round (raysim.core.selection), for any method: ``uniform``
-    (FedAvg's draw) or ``power_of_choice`` (Cho et al. 2022: m of d candidates, the highest local
+    (FedAvg's draw of m), ``poisson`` (each client on its own with probability m / N: the sampling
+    the classic DP analysis assumes) or ``power_of_choice`` (Cho et al. 2022: m of d candidates, the highest local
     losses). A method with its own ``select`` ignores it."""
-    kind: str = setting("uniform", one_of=("uniform", "power_of_choice"))
+    kind: str = setting("uniform", one_of=("uniform", "poisson", "power_of_choice"))
     # power_of_choice: candidates per round (>= clients per round); null: 2m
     d: int | None = setting(None, ge=1)
     # power_of_choice: pow-d asks the candidates their loss of the global model; rpow-d ranks by their last training loss
@@ -199,6 +200,43 @@ class ScheduleConfig:
     max_staleness: int | None = setting(None, ge=0)  # arrivals staler than this are dropped; null: none
     # availability in simulated time: a client's online draw (or a trace's round r) holds for slot r of this many seconds
     slot_s: float = setting(60.0, gt=0)
+
+
+@dataclass
+class AdaptiveClipConfig:
+    """Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021): C follows the
+    ``quantile`` of the clients' update norms, C <- C exp(-lr (b - quantile)), b the noisy fraction
+    of unclipped updates; ``privacy.clip`` is its initial value."""
+    quantile: float = setting(0.5, gt=0, lt=1, source="Andrew et al. 2021: γ = 0.5 (the median) in their experiments")
+    lr: float = setting(0.2, gt=0, source="Andrew et al. 2021: η_C = 0.2, the geometric update's step")
+    # σ_b, the noise on the count of unclipped updates; null: m / 20 (m the expected clients per round)
+    count_noise: float | None = setting(None, gt=0, source="null: m / 20, Andrew et al. 2021's σ_b = m/20")
+
+
+@dataclass
+class PrivacyConfig:
+    """Client-level differential privacy (raysim.core.privacy, raysim.core.stages): every client's
+    update clipped to L2 norm ``clip``, clients weighted uniformly, Gaussian noise of standard
+    deviation z C on the sum (DP-FedAvg, McMahan et al. 2018), divided by the expected clients per
+    round; ε at ``delta`` from dp-accounting after every round. Give ``noise_multiplier`` (z) or
+    ``target_epsilon`` (z found for the planned rounds before the run); neither: clip only (ε inf)."""
+    clip: float | None = setting(None, gt=0)  # C (adaptive: C_0); required
+    noise_multiplier: float | None = setting(None, ge=0)  # z
+    target_epsilon: float | None = setting(None, gt=0)  # ε after the planned rounds; picks z
+    delta: float | None = setting(None, gt=0, lt=1)  # δ; null: 1 / N (N training clients)
+    accountant: str = setting("rdp", one_of=("rdp", "pld"))
+    local: bool = False  # noise on each client's clipped update before it leaves the client (local DP)
+    adaptive: None | AdaptiveClipConfig = None  # adaptive clipping; null: the fixed clip
+
+
+@dataclass
+class CompressionConfig:
+    """Update compression (raysim.core.compression): ``topk`` keeps the ``fraction`` largest entries
+    of each update with error feedback; ``quantize`` is QSGD's unbiased stochastic quantization to
+    ``bits`` bits per entry. The upload's bytes and the simulated clock charge the compressed size."""
+    kind: str = setting("topk", one_of=("topk", "quantize"))
+    fraction: float = setting(0.01, gt=0, le=1)  # topk: the share of entries sent
+    bits: int = setting(8, ge=2, le=16)  # quantize: bits per entry (a sign and bits - 1 of level)
 
 
 @dataclass
@@ -348,6 +386,8 @@ class ExperimentConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    privacy: None | PrivacyConfig = None  # client-level DP stages; null: none
+    compression: None | CompressionConfig = None  # update compression stage; null: none
     hp: dict = field(default_factory=dict)  # per-method hyperparameters: {method_name: {field: value}}
     # settings that differ per method in a comparison, e.g. {fedbn: {train: {lr: 0.05}}}
     per_method: dict = field(default_factory=dict)
@@ -406,8 +446,9 @@ class ExperimentConfig:
         """The config as plain data (config.yaml, the checkpoint's fingerprint); ``variant`` only where
         set, so a config without variants reads, and fingerprints, as before variants existed."""
         raw = dataclasses.asdict(self)
-        if raw.get("variant") is None:
-            raw.pop("variant", None)
+        for key in ("variant", "privacy", "compression"):  # unset: as before they existed
+            if raw.get(key) is None:
+                raw.pop(key, None)
         return raw
 
 
@@ -602,6 +643,15 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
          "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
     need(cfg.server.betas is None or len(cfg.server.betas) == 2,
          f"config key 'server.betas' = {list(cfg.server.betas or [])}: expected two numbers in [0, 1) (β1, β2)")
+    p = cfg.privacy
+    if p is not None:
+        need(p.clip is not None, "privacy: give 'clip', the L2 norm C every client's update is clipped to "
+             "(with adaptive clipping its initial value)")
+        need(p.noise_multiplier is None or p.target_epsilon is None,
+             "privacy: set either 'noise_multiplier' or 'target_epsilon', not both")
+        need(not (p.local and cfg.compression is not None),
+             "privacy.local adds noise to every entry of the update, which undoes compression: run local DP without "
+             "'compression'")
     from raysim.core.tiers import check_profiles
     check_profiles(cfg.clients.profiles)
 

@@ -82,6 +82,24 @@ class Selection:
         return self.kind
 
 
+class PoissonSampling(Selection):
+    """Each online client trains with probability q = m / N on its own (N the clients online: every
+    client without availability profiles), so a round has m clients on average and may have none:
+    the sampling the classic DP-SGD / DP-FedAvg analysis assumes (raysim.core.privacy)."""
+
+    kind = "poisson"
+
+    def choose(self, state: dict | None, ctx: SelectionContext, losses: dict[int, float]) -> list[int]:
+        online = np.asarray(ctx.online, dtype=np.int64)
+        if ctx.m >= len(online):
+            return online.tolist()
+        drawn = ctx.rng.random(len(online)) < ctx.m / len(online)
+        return online[drawn].tolist()
+
+    def describe(self) -> str:
+        return "poisson (each client with probability m / N)"
+
+
 @dataclass(frozen=True)
 class PowerOfChoice(Selection):
     """Power-of-Choice (module docstring): pow-d asks d candidates for their loss, rpow-d ranks by
@@ -146,7 +164,7 @@ def highest(candidates: list[int], losses: list[float], m: int) -> list[int]:
     return [candidates[i] for i in order[:m]]
 
 
-KINDS = {"uniform": Selection, "power_of_choice": PowerOfChoice}
+KINDS = {"uniform": Selection, "poisson": PoissonSampling, "power_of_choice": PowerOfChoice}
 
 
 def from_config(section) -> Selection:
@@ -154,4 +172,6 @@ def from_config(section) -> Selection:
     kind = getattr(section, "kind", "uniform")
     if kind == "uniform":
         return Selection()
+    if kind == "poisson":
+        return PoissonSampling()
     return PowerOfChoice(d=section.d, variant=section.variant)

@@ -36,6 +36,7 @@ from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, S
                                     client_payload, unbox)
 from raysim.core.buffered import delta_upload
 from raysim.core.seeding import generator_for
+from raysim.core.stages import RESIDUAL_KEY, from_config as stages_from_config, residual_on
 from raysim.engine.store import ClientStateStore, state_nbytes
 from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
 
@@ -116,6 +117,9 @@ class ClientHost:
         self.fed = Federation(cfg)
         self.client_ids = range(host_id, self.fed.num_clients + self.fed.num_targets, self.num_hosts)
         self.method = self.fed.method
+        # privacy and compression (raysim.core.stages): the client side, run in the fold
+        self.stages = stages_from_config(cfg, self.method, population=self.fed.num_clients, per_round=1,
+                                         account=False)
         self.model = self.fed.initial_model().to(self.device)
         self._init_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         # global / lodo protocols: the server builds the global model with the mean of the clients'
@@ -215,14 +219,34 @@ class ClientHost:
                     with ComputeMeter() if self._clocked else nullcontext() as meter, \
                             dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)):
                         up = self.method.local_update(ctx)
-                    record = {"state": ctx.state}
-                    if self.cfg.eval.point == "post_train":  # evaluated as it leaves training, before aggregation
-                        record["trained"] = self.method.post_train_state(ctx)
+                    record = self._next_record(record, ctx)
                 self._fold(partial, out, cid, record, up, meter.macs if self._clocked else None, mine, moved)
         partial.clients += len(client_ids)
         out.seconds = time.perf_counter() - t0
         partial.seconds += out.seconds
         return out
+
+    def _next_record(self, previous: dict, ctx: ClientContext) -> dict:
+        """A trained client's new record: the state its step left, the stages' residual it trained
+        with (replaced when its upload goes through them), and with ``eval.point: post_train`` the
+        model as it left training (evaluated before aggregation)."""
+        record = {"state": ctx.state}
+        if RESIDUAL_KEY in previous:
+            record[RESIDUAL_KEY] = previous[RESIDUAL_KEY]
+        if self.cfg.eval.point == "post_train":
+            record["trained"] = self.method.post_train_state(ctx)
+        return record
+
+    def _staged(self, rnd: int, cid: int, record: dict, up: Upload, mine: dict, moved) -> tuple[Upload, int]:
+        """(the upload after the client stages, the bytes it sends); the client's new error-feedback
+        residual into its record (on the host's state device unless the record travels)."""
+        if self.stages is None:
+            return up, tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
+        staged = self.stages.client(rnd, cid, up, mine["global"], mine, record.get(RESIDUAL_KEY))
+        if staged.residual is not None:
+            record[RESIDUAL_KEY] = residual_on(staged.residual, self._state_device if moved is None else None)
+        return Upload(staged.tensors, staged.weight, metrics={**up.metrics, **staged.metrics},
+                      statistics=staged.statistics), staged.bytes
 
     def _fits(self, cid: int, partial: PartialRound) -> bool:
         """Whether the client's memory holds the model it would train (clocked runs); if not, its
@@ -236,13 +260,13 @@ class ClientHost:
               mine: dict, moved) -> None:
         """A trained client's record stored (or sent back to its owner), its metrics and clock, and
         its upload folded into the host's partial result (the model still holds what it trained)."""
+        up, sent = self._staged(partial.round, cid, record, up, mine, moved)
         if moved is None:
             self.store.put(cid, record)
         else:
             out.records_for_owner[cid] = record
         out.state_bytes[cid] = state_nbytes(record)
         metrics = partial.client_metrics[cid] = dict(up.metrics)
-        sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
         partial.bytes_up += sent
         if self._clocked:
             metrics.update(self.clock.round_metrics(cid, macs, tensors_nbytes(mine), sent))
@@ -277,18 +301,18 @@ class ClientHost:
         for first in range(0, len(todo), size):
             chunk = todo[first:first + size]
             mines = {cid: mine for cid, mine in chunk}
+            previous = {}  # each client's record as it started
             clients = []
             for cid, mine in chunk:
                 def start(cid=cid, mine=mine):
                     record = self._record(cid) if moved is None else self._initial_record(cid, moved.get(cid))
+                    previous[cid] = record
                     self.method.load_client_model(self.model, mine, record["state"])
                     return self._context(cid, rnd, mine, record["state"])
                 clients.append(CohortClient(start, generator_for(self.cfg.seed, rnd, cid, "dropout", self.device)))
 
             def after(ctx, up, macs):
-                record = {"state": ctx.state}
-                if self.cfg.eval.point == "post_train":
-                    record["trained"] = self.method.post_train_state(ctx)
+                record = self._next_record(previous.pop(ctx.client_id), ctx)
                 self._fold(partial, out, ctx.client_id, record, up, macs, mines[ctx.client_id], moved)
 
             with keep_state_on(self._state_device if moved is None else None):
@@ -349,13 +373,14 @@ class ClientHost:
                 with ComputeMeter() as meter, dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout",
                                                                               self.device)):
                     up = self.method.local_update(ctx)
-                record = {"state": ctx.state}
-                if self.cfg.eval.point == "post_train":
-                    record["trained"] = self.method.post_train_state(ctx)
-            sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
-            metrics = dict(up.metrics)
+                record = self._next_record(record, ctx)
+                if self.stages is None:
+                    sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
+                    delta = Upload(delta_upload(up.tensors, mine["global"]), up.weight)
+                else:  # the stages' update is already the delta y − x_v
+                    delta, sent = self._staged(rnd, cid, record, up, mine, None)
+            metrics = dict(delta.metrics if self.stages is not None else up.metrics)
             metrics.update(self.clock.round_metrics(cid, meter.macs, tensors_nbytes(mine), sent))
-            delta = Upload(delta_upload(up.tensors, mine["global"]), up.weight)
             self._jobs[cid] = (delta, record, metrics, sent)
             durations[cid] = metrics["sim_seconds"]
         self._job_seconds = getattr(self, "_job_seconds", 0.0) + time.perf_counter() - t0
@@ -376,7 +401,7 @@ class ClientHost:
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 0.0}
             bytes_up += sent
             if up is not None:
-                self.method.aggregator.add(partial, cid, Upload(up.tensors, up.weight * scale))
+                self.method.aggregator.add(partial, cid, Upload(up.tensors, up.weight * scale, statistics=up.statistics))
                 weights[cid] = up.weight
         for cid, tau in sorted(dropped):
             up, record, m, sent = self._jobs.pop(cid)

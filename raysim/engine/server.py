@@ -20,10 +20,12 @@ from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, Roun
 from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
 from raysim.core.buffered import BufferedUploads
 from raysim.core.seeding import SERVER, rng_for
+from raysim.core.stages import from_config as stages_from_config
 from raysim.core.tensors import tensors_nbytes
 
 
 BUFFERED_KEY = "buffered_schedule"  # where a checkpoint's server state keeps the timeline
+STAGES_KEY = "stages"  # where a checkpoint's server state keeps the stages' state (the adaptive clip)
 
 
 class Server:
@@ -57,6 +59,12 @@ class Server:
                                           model=self.fed.initial_model() if buffered else None)
         if self.buffered is not None and self.buffered.concurrency > self.n:
             raise UserError(f"schedule.concurrency = {self.buffered.concurrency} but the federation has {self.n} clients")
+        # privacy and compression (raysim.core.stages): the noise, the accountant, the adaptive clip
+        self.stages = stages_from_config(
+            self.cfg, self.method, population=self.n, buffered=self.buffered is not None,
+            per_round=self.buffered.buffer if self.buffered is not None else self.per_round,
+            always_available=self.availability is None and self.online_by_round is None)
+        self.stage_state = self.stages.init_state() if self.stages is not None else {}
         self._reset_timeline()
         return self.describe()
 
@@ -174,7 +182,7 @@ class Server:
     def _payloads(self, rnd: int, client_ids: list[int], for_training: bool):
         """(the payload's ref, {client id: its own part's ref}, bytes sent to ``client_ids``)."""
         if for_training:
-            payload = self.method.broadcast(self.state, rnd)
+            payload = self._training_payload(rnd)
         else:
             payload = self.method.eval_payload(self.state, rnd)
             if self.personal_mean:
@@ -188,13 +196,30 @@ class Server:
                 down += tensors_nbytes(p)
         return _put(payload), personal, down
 
+    def _training_payload(self, rnd: int) -> dict:
+        """The method's broadcast, plus what the client stages read (this round's clip)."""
+        payload = self.method.broadcast(self.state, rnd)
+        return {**payload, **self.stages.payload(self.stage_state)} if self.stages is not None else payload
+
+    def _stage_metrics(self, rnd: int, metrics: dict) -> dict:
+        """The privacy spent after ``rnd`` server steps (ε at δ) and the stages' own numbers."""
+        p = self.stages.privacy if self.stages is not None else None
+        if p is None:
+            return {}
+        return {**metrics, "epsilon": self.stages.spent.after(rnd), "noise_multiplier": p.noise_multiplier}
+
     def aggregate(self, rnd: int, *host_results: HostRoundResult) -> RoundSummary:
         """Reduce the hosts' results of round ``rnd`` (in host order), run the method's server step,
         and sum the round up."""
         results = sorted(host_results, key=lambda r: r.host)
         uploads = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
-        if uploads.clients:  # the contract: aggregate only with uploads (all dropped: the state stays as it was)
+        stage_metrics, released = {}, False
+        if self.stages is not None:  # the round's updates -> the mean the method's step takes (noised under DP)
+            uploads, self.stage_state, stage_metrics = self.stages.server_round(
+                rnd, uploads if uploads.clients else None, self.state["global"], self.per_round, self.stage_state)
+            released = self.stages.privacy is not None  # DP releases the noisy sum even with no client
+        if uploads.clients or released:  # the contract: aggregate only with uploads (all dropped: the state stays)
             self.state = self.method.aggregate(self.state, uploads, rnd)
             if SELECTION_KEY in self.state:  # the selection learns the aggregated clients' training losses
                 losses = {int(c): metrics[c]["loss"] for c in uploads.clients if "loss" in metrics.get(c, {})}
@@ -218,7 +243,8 @@ class Server:
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             bytes_up_eval=sum(r.bytes_up_eval for r in results),
-                            server_metrics=self.method.server_metrics(self.state), clock=clock,
+                            server_metrics={**self.method.server_metrics(self.state),
+                                            **self._stage_metrics(rnd, stage_metrics)}, clock=clock,
                             bytes_down=getattr(self, "_bytes_down", 0) + getattr(self, "_bytes_query", 0),
                             host_seconds={r.host: r.seconds for r in results})
 
@@ -245,7 +271,7 @@ class Server:
             ctx = SelectionContext(round=self.dispatches, online=online, m=take, rng=rng, num_train=self._num_train)
             chosen = online.tolist() if take == len(online) else self.selection.choose(None, ctx, {})
             if tl.version not in self.versions:
-                self.versions[tl.version] = self.method.broadcast(self.state, tl.version + 1)
+                self.versions[tl.version] = self._training_payload(tl.version + 1)
             down = tensors_nbytes(self.versions[tl.version])
             tl.dispatch(chosen, [self._least_seconds(c, down) for c in chosen])
             # the new clients' downloads (jobs trained again after a restore downloaded before it)
@@ -285,9 +311,14 @@ class Server:
         results = sorted(host_results, key=lambda r: r.host)
         reduced = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
+        stage_metrics = {}
         if reduced.clients:
             weights = {c: w for r in results for c, w in r.weights.items()}
-            uploads = BufferedUploads(mean=reduced.mean, scaled_weight=reduced.total_weight,
+            mean = reduced.mean
+            if self.stages is not None:  # the folded deltas' sum noised under DP
+                mean, self.stage_state, stage_metrics = self.stages.server_buffered(rnd, reduced, self.stage_state,
+                                                                                    self.buffered.buffer)
+            uploads = BufferedUploads(mean=mean, scaled_weight=reduced.total_weight,
                                       weight=float(sum(weights[c] for c in reduced.clients)), clients=reduced.clients,
                                       staleness={c: tau for c, _, tau, _ in plan.folded},
                                       bases={c: self.versions[v]["global"] for c, _, _, v in plan.folded})
@@ -302,7 +333,8 @@ class Server:
                  "staleness_max": float(max(taus, default=0)), "in_flight": float(len(self.timeline.in_flight))}
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
-                            server_metrics=self.method.server_metrics(self.state), clock=clock,
+                            server_metrics={**self.method.server_metrics(self.state),
+                                            **self._stage_metrics(rnd, stage_metrics)}, clock=clock,
                             bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results})
 
     # ------------------------------------------------------------------ checkpoints and recovery
@@ -317,11 +349,15 @@ class Server:
         return {"pid": os.getpid(), **node}
 
     def export_state(self) -> dict:
-        """The server's state; a buffered schedule's adds its timeline and in-flight versions."""
+        """The server's state; a buffered schedule's adds its timeline and in-flight versions, the
+        stages' their state (the adaptive clip's C)."""
+        state = self.state
+        if self.stage_state:
+            state = {**state, STAGES_KEY: self.stage_state}
         if self.timeline is None:
-            return self.state
-        return {**self.state, BUFFERED_KEY: {"timeline": self.timeline.export(), "versions": self.versions,
-                                             "dispatches": self.dispatches}}
+            return state
+        return {**state, BUFFERED_KEY: {"timeline": self.timeline.export(), "versions": self.versions,
+                                        "dispatches": self.dispatches}}
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's state. A buffered schedule's jobs in flight lost their uploads with the
@@ -329,6 +365,7 @@ class Server:
         keyed: the same uploads) before the next step."""
         state = dict(state)
         kept = state.pop(BUFFERED_KEY, None)
+        self.stage_state = state.pop(STAGES_KEY, self.stages.init_state() if self.stages is not None else {})
         self.state = state
         if kept is not None:
             data = dict(kept["timeline"], durations=[])
@@ -340,6 +377,7 @@ class Server:
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""
         self.state = self._initial_state()
+        self.stage_state = self.stages.init_state() if self.stages is not None else {}
         self._reset_timeline()
 
 
