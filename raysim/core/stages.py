@@ -175,6 +175,8 @@ class Stages:
         updates (None: nobody uploaded; under DP the noise is released all the same)."""
         from raysim.core.aggregation import Mean
         p = self.privacy
+        if reduced is not None and not reduced.clients:
+            reduced = None
         mean = reduced.mean if reduced is not None else {k: torch.zeros_like(v) for k, v in global_.items()}
         count = reduced.total_weight if reduced is not None else 0.0
         if p is None:

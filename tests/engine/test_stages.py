@@ -1,0 +1,112 @@
+"""Privacy and compression stages in a real federation (raysim.core.stages): the same metrics on 1
+and 2 hosts and after a resume with DP (adaptive clip, noise) and top-k compression on; ε in the
+metrics is dp-accounting's; the compressed size is what is charged; methods whose uploads the
+stages cannot bound are refused in one line."""
+import math
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from raysim.app.experiment import federation, resume_config
+from raysim.config import load_config
+from raysim.core.errors import Interrupted, UserError
+from raysim.engine.backend import InProcess
+
+RAW = {
+    "method": "fedavg", "rounds": 3, "seed": 3, "clients_per_round": 4,
+    "data": {"dataset": "digits5", "options": {"image_size": 16},
+             "partition": {"kind": "per_domain", "train_size": 16, "domains": ["usps", "mnist"],
+                           "clients_per_domain": 4}},
+    "model": {"name": "small_cnn", "norm": "bn"},
+    "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+    "eval": {"every": 1, "splits": ["test"], "clients": "all"},
+    "runtime": {"num_hosts": 2},
+    "checkpoint": {"every": 1, "keep": 3},
+    "privacy": {"clip": 0.5, "noise_multiplier": 1.0, "adaptive": {"count_noise": 2.0}},
+    "compression": {"kind": "topk", "fraction": 0.05},
+}
+
+
+def cfg(*overrides, **raw):
+    return load_config(raw={**RAW, **raw}, overrides=list(overrides))
+
+
+def metrics(out):
+    return pq.read_table(os.path.join(str(out), "metrics.parquet")).to_pandas()
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    federation(cfg(), str(out), progress=False, backend=InProcess()).run()
+    return metrics(out)
+
+
+def test_one_host_gives_the_metrics_of_two(two_hosts, tmp_path):
+    federation(cfg("runtime.num_hosts=1"), str(tmp_path), progress=False, backend=InProcess()).run()
+    assert metrics(tmp_path).equals(two_hosts)
+
+
+def test_a_resumed_run_gives_the_metrics_of_the_undisturbed_one(two_hosts, tmp_path):
+    """The adaptive clip's C (server state) and the top-k residuals (client records) are
+    checkpointed: the run interrupted after round 2 resumes to the same metrics."""
+    def stop_after_round_2(rnd, summary, evaluation):
+        if rnd == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(Interrupted):
+        federation(cfg(), str(tmp_path), progress=False, backend=InProcess(), on_round=stop_after_round_2).run()
+    federation(resume_config(str(tmp_path), []), str(tmp_path), progress=False, backend=InProcess()).run(resume=True)
+    assert metrics(tmp_path).equals(two_hosts)
+
+
+def test_epsilon_clip_and_compressed_bytes_in_the_metrics(two_hosts):
+    import dp_accounting as dpa
+    from dp_accounting import rdp
+    server = two_hosts[two_hosts.split == "server"].pivot_table(index="round", columns="metric", values="value")
+    for r in (1, 3):  # fixed-size sampling of 4 of 8: replace-one, sensitivity 2C
+        acc = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+        acc.compose(dpa.SampledWithoutReplacementDpEvent(8, 4, dpa.GaussianDpEvent(0.5)), r)
+        assert server.loc[r, "epsilon"] == pytest.approx(acc.get_epsilon(1 / 8), rel=1e-12)
+    assert server.loc[1, "clip"] == 0.5 and server.loc[2, "clip"] != 0.5  # C_0, then the adaptive update
+    comm = two_hosts[two_hosts.split == "comm"].pivot_table(index="round", columns="metric", values="value")
+    dense = comm.loc[1, "bytes_down"]  # 4 clients' float32 models (and an int64 buffer each) went down
+    assert comm.loc[1, "bytes_up"] < 0.12 * dense  # 5% of the entries, value and index each: ~10%
+
+
+def test_no_stages_section_leaves_the_config_as_it_was():
+    raw = {k: v for k, v in RAW.items() if k not in ("privacy", "compression")}
+    d = load_config(raw=raw).to_dict()
+    assert "privacy" not in d and "compression" not in d
+    assert cfg().to_dict()["privacy"]["clip"] == 0.5
+
+
+@pytest.mark.parametrize("method, why", [
+    ("fdse", "keeps every client's upload"),
+    ("scaffold", "uploads carry statistics"),
+    ("fpl", "data-derived statistics"),
+])
+def test_methods_the_stages_cannot_bound_are_refused_in_one_line(tmp_path, method, why):
+    from raysim.app.configs import load_checked
+    from raysim.testing import config_for
+    raw = {**config_for(method), "privacy": {"clip": 1.0, "noise_multiplier": 1.0}, "rounds": 1}
+    with pytest.raises(UserError, match=why) as err:
+        federation(load_checked(raw=raw), str(tmp_path), progress=False, backend=InProcess()).run()
+    assert "\n" not in str(err.value)
+
+
+def test_sampling_the_accountant_does_not_model_is_refused():
+    with pytest.raises(UserError, match="power_of_choice"):
+        _build(cfg("clients.selection.kind=power_of_choice"))
+    with pytest.raises(UserError, match="deadline"):
+        _build(cfg("clients.deadline_s=10"))
+    with pytest.raises(UserError, match="pld"):
+        _build(cfg("privacy.accountant=pld"))
+    assert _build(cfg("privacy.accountant=pld", "clients.selection.kind=poisson")).privacy.accounting.sampling == "poisson"
+
+
+def _build(c):
+    from raysim.core.stages import from_config
+    from raysim.engine.federation import Federation
+    fed = Federation(c)
+    return from_config(c, fed.method, population=fed.num_clients, per_round=4)
