@@ -110,3 +110,18 @@ def _build(c):
     from raysim.engine.federation import Federation
     fed = Federation(c)
     return from_config(c, fed.method, population=fed.num_clients, per_round=4)
+
+
+def test_the_checkpoint_holds_the_residuals_and_the_adaptive_clip(tmp_path):
+    """What a resume needs and the resume test alone would not miss: each trained client's
+    error-feedback residual in its record, the adaptive clip's C in the server's state."""
+    import torch
+    from raysim.engine import checkpoint
+    federation(cfg("rounds=2"), str(tmp_path), progress=False, backend=InProcess()).run()
+    saved = checkpoint.read(str(tmp_path), 1, cfg("rounds=2"))
+    records = saved["clients"]
+    trained = [c for c, r in records.items() if "residual" in r]
+    assert len(trained) == 4  # the 4 clients of round 1
+    residual = records[trained[0]]["residual"]
+    assert any(torch.count_nonzero(v) > 0 for v in residual.values())
+    assert saved["server"]["stages"]["clip"] != 0.5  # C after round 1's update
