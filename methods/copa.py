@@ -140,6 +140,7 @@ class COPA(Method):
     Hparams = COPAHparams
     paper = "Wu & Gong, ICCV 2021"
     shares = 'shares the feature extractor and a bank of per-client heads (not averaged)'
+    uploads_beside_model = "its own classifier head (Upload.extras)"
 
     def build_model(self) -> nn.Module:
         backbone = super().build_model()

@@ -68,6 +68,7 @@ class Scaffold(Method):
     Hparams = ScaffoldHparams
     paper = "Karimireddy et al., ICML 2020"
     shares = 'shares the model and control-variate updates; keeps its client control variate'
+    uploads_beside_model = "its control-variate update (Upload.statistics)"
 
     def init_server(self, model):
         return {**super().init_server(model), "c": zero_variates(model)}

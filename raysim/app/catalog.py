@@ -161,6 +161,7 @@ def server_step_table(cls) -> str:
 
 def method_markdown(name: str) -> str:
     from raysim.core.contract import buffered_refusal as refusal
+    from raysim.core.stages import refusal as stage_refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cls = registry.get(name)  # UserError naming the available methods
@@ -179,6 +180,8 @@ def method_markdown(name: str) -> str:
     out += ["**Buffered schedule** (`schedule.kind: buffered`): "
             + (f"no: {why}" if why else ("yes, its default" if cls.schedule == "buffered" else "yes")
                + f" (K = {cls.buffer or 10}, staleness weight {cls.staleness.kind})"), ""]
+    why = stage_refusal(cls)
+    out += ["**Privacy and compression stages** (`privacy:`, `compression:`): " + (f"no: {why}" if why else "yes"), ""]
     rows = hparam_rows(cls)
     out += [f"## Hyperparameters (`hp.{key}.<name>`)", ""]
     if rows:
@@ -203,6 +206,7 @@ def _short_configs(name: str, paths: list[str], most: int = 4) -> str:
 
 def catalog_markdown() -> str:
     from raysim.core.contract import buffered_refusal as refusal
+    from raysim.core.stages import refusal as stage_refusal
     from raysim.engine.cohort import cohort_ready
     from raysim.methods import registry
     cfgs = configs_by_method()
@@ -212,13 +216,14 @@ def catalog_markdown() -> str:
             cls = registry.get(name)
         except Exception as err:  # an optional method that fails to import: list it, say why
             rows.append([name, f"(cannot import: {first_line(err)})",
-                         "", "", "", "", ""])
+                         "", "", "", "", "", ""])
             continue
         buffered = "default" if cls.schedule == "buffered" else "no" if refusal(cls) else "yes"
         rows.append([name, cls.paper or "–", shares_line(name, cls), "yes" if cls.exchanges else "no",
-                     "yes" if cohort_ready(cls) else "no", buffered, _short_configs(name, cfgs.get(name, []))])
+                     "yes" if cohort_ready(cls) else "no", buffered, "no" if stage_refusal(cls) else "yes",
+                     _short_configs(name, cfgs.get(name, []))])
     return markdown_table(["method", "paper", "shares / keeps", "exchanges data stats", "cohorts", "buffered",
-                           "configs"], rows) + "\n"
+                           "privacy / compression", "configs"], rows) + "\n"
 
 
 def methods(name: str | None = None) -> str:

@@ -103,7 +103,7 @@ class Progress:
         self.timer.restart()
         self.timer.t0 = self.timer.t_last = value
 
-    def update(self, rnd: int, train_loss: float, last_eval: dict) -> None:
+    def update(self, rnd: int, train_loss: float, last_eval: dict, epsilon: float | None = None) -> None:
         self.timer.tick()
         if not self.enabled:
             return
@@ -111,6 +111,7 @@ class Progress:
         eta = self.timer.eta(rnd, self.total, self.timer.t_last)
         acc = _avg(last_eval)
         acc_text = f"  acc(AVG) {100 * acc:5.1f}%" if acc is not None else ""
+        acc_text += f"  ε {epsilon:.3g}" if epsilon is not None else ""  # privacy spent (raysim.core.stages)
         self.stream.write(f"{self.label} round {rnd}/{self.total}  loss {train_loss:.3f}{acc_text}"
                           f"  elapsed {_fmt(elapsed)}  eta {_fmt(eta or 0)}\n")
         self.stream.flush()
@@ -125,7 +126,7 @@ class _Row:
     def __init__(self, board: "LiveBoard", method: str, detail: str, total: int):
         self.board, self.method, self.detail, self.total = board, method, detail, total
         self.state = "starting"  # starting -> running -> done | stopped
-        self.rnd, self.loss, self.acc = 0, None, None
+        self.rnd, self.loss, self.acc, self.epsilon = 0, None, None, None
         self.timer = _Timer()
         self.t_created = time.perf_counter()
         self.t_end = None
@@ -136,10 +137,10 @@ class _Row:
             self.timer.restart()
         self.board.refresh()
 
-    def update(self, rnd: int, train_loss: float, last_eval: dict) -> None:
+    def update(self, rnd: int, train_loss: float, last_eval: dict, epsilon: float | None = None) -> None:
         with self.board.lock:
             self.timer.tick()
-            self.rnd, self.loss = rnd, train_loss
+            self.rnd, self.loss, self.epsilon = rnd, train_loss, epsilon
             acc = _avg(last_eval)
             self.acc = acc if acc is not None else self.acc
         self.board.refresh()
@@ -153,7 +154,7 @@ class _Row:
     def cells(self, now: float, final: bool) -> list[str]:
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
         acc = f"{100 * self.acc:.1f}%" if self.acc is not None else "-"
-        rounds = f"{self.rnd}/{self.total}"
+        rounds = f"{self.rnd}/{self.total}" + (f" ε{self.epsilon:.2g}" if self.epsilon is not None else "")
         if final:
             seconds = (self.t_end or now) - self.t_created
             state = self.state if self.state in ("done", "stopped") else "stopped"
@@ -335,10 +336,11 @@ class ProgressCallback(Callback):
 
     def on_round(self, rnd: int, summary: RoundSummary, evaluation, log) -> None:
         self.last_eval = evaluation or self.last_eval
+        epsilon = (summary.server_metrics or {}).get("epsilon")  # privacy spent so far (privacy: runs)
         if self.row is not None:  # the table's cell keeps the latest test accuracy
-            self.row.update(rnd, summary.train_loss, self.last_eval)
+            self.row.update(rnd, summary.train_loss, self.last_eval, epsilon)
         else:  # a line per round: the accuracy only on the rounds that were evaluated
-            self.bar.update(rnd, summary.train_loss, evaluation or {})
+            self.bar.update(rnd, summary.train_loss, evaluation or {}, epsilon)
 
     def on_end(self, log) -> None:
         if self.row is not None:

@@ -254,6 +254,25 @@ def _exchanges(dirs: dict[str, str]) -> str:
     return "\n## Data-derived statistics exchanged between clients\n\n" + "\n".join(lines) + "\n"
 
 
+def privacy_section(panels: dict[str, list[pd.DataFrame]]) -> str:
+    """The privacy each federation spent (raysim.core.stages): ε after its last round at its δ, the
+    noise multiplier z and the clip C of its last round, per row and seed."""
+    rows = []
+    for row, frames in panels.items():
+        for df in frames:
+            server = df[(df.split == "server") & df.metric.isin(["epsilon", "noise_multiplier", "clip"])]
+            if "epsilon" not in set(server.metric):
+                continue
+            last = server[server["round"] == server["round"].max()].set_index("metric").value
+            rows.append([row, str(int(server["round"].max())), f"{last['epsilon']:.3g}",
+                         f"{last['noise_multiplier']:.4g}", f"{last.get('clip', float('nan')):.4g}"])
+    if not rows:
+        return ""
+    return ("\n## Privacy spent\n\nClient-level (ε, δ)-DP of each federation after its last round (dp-accounting; "
+            "δ as configured, 1/N by default), its noise multiplier z and clip norm C:\n\n"
+            + markdown_table(["federation", "rounds", "ε", "z", "C"], rows) + "\n")
+
+
 def _failed_section(failed: list[tuple[str, str]]) -> str:
     """The federations left out of the tables because their method raised."""
     if not failed:
@@ -336,6 +355,7 @@ def render(run_dir: str) -> str:
         text += "".join(method_section(*first[row]) for row in runs)
     unfinished = rundir.unfinished_line([run_dir])
     text += time_section(panels)
+    text += privacy_section(panels)
     text += _exchanges(dirs) + beside_paper(run_dir) + _failed_section(failed) + (
         "\n## Unfinished\n\n" + unfinished + "\n" if unfinished else "")
     write_text(os.path.join(run_dir, "summary.md"), text)

@@ -416,6 +416,10 @@ class Method:
     # data-derived statistics it sends between clients through the server (a privacy reviewer's
     # first question; summary.md and the README say it): "" for none beyond the model
     exchanges: ClassVar[str] = ""
+    # what a client's upload carries beside its model that is not a data statistic (SCAFFOLD's
+    # control-variate update): the privacy and compression stages cannot clip or compress it
+    # (raysim.core.stages.refusal); "" for nothing
+    uploads_beside_model: ClassVar[str] = ""
     # train one model on every client's data at once (DeepAll, the centralised reference): the
     # engine gives the federation a single client holding all the training clients' data
     pools_clients: ClassVar[bool] = False

@@ -57,6 +57,8 @@ def refusal(method) -> str:
         return "it trains one model on every client's data at once"
     if cls.exchanges:
         return "it sends data-derived statistics beside the model, which the clip does not bound"
+    if cls.uploads_beside_model:
+        return f"its uploads carry {cls.uploads_beside_model} beside the model, which the stages do not bound"
     return ""
 
 

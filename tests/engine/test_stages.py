@@ -83,7 +83,7 @@ def test_no_stages_section_leaves_the_config_as_it_was():
 
 @pytest.mark.parametrize("method, why", [
     ("fdse", "keeps every client's upload"),
-    ("scaffold", "uploads carry statistics"),
+    ("scaffold", "control-variate update"),
     ("fpl", "data-derived statistics"),
 ])
 def test_methods_the_stages_cannot_bound_are_refused_in_one_line(tmp_path, method, why):
@@ -125,3 +125,33 @@ def test_the_checkpoint_holds_the_residuals_and_the_adaptive_clip(tmp_path):
     residual = records[trained[0]]["residual"]
     assert any(torch.count_nonzero(v) > 0 for v in residual.values())
     assert saved["server"]["stages"]["clip"] != 0.5  # C after round 1's update
+
+
+def test_cohorts_give_the_metrics_of_clients_trained_one_by_one(two_hosts, tmp_path):
+    federation(cfg("runtime.cohort_size=2"), str(tmp_path), progress=False, backend=InProcess()).run()
+    assert metrics(tmp_path).equals(two_hosts)
+
+
+def test_a_buffered_federation_runs_through_the_stages_alike_on_one_and_two_hosts(tmp_path):
+    """FedBuff with DP and top-k: the folded deltas are the clipped, compressed ones, the step's
+    noise keyed by the step; ε accounted per step (stated approximate)."""
+    buffered = ("method=fedbuff", "clients.profiles.levels=2", "schedule.buffer=2", "schedule.concurrency=4",
+                "privacy.adaptive=null")
+    runs = []
+    for hosts in (1, 2):
+        out = tmp_path / str(hosts)
+        federation(cfg(*buffered, f"runtime.num_hosts={hosts}"), str(out), progress=False, backend=InProcess()).run()
+        runs.append(metrics(out))
+    assert runs[0].equals(runs[1])
+    server = runs[0][runs[0].split == "server"].pivot_table(index="round", columns="metric", values="value")
+    assert list(server.index) == [1, 2, 3] and server.epsilon.is_monotonic_increasing
+
+
+def test_summary_and_progress_say_the_privacy_spent(two_hosts, tmp_path, capsys):
+    from raysim.app.progress import Progress
+    from raysim.app.report import privacy_section
+    text = privacy_section({"fedavg": [two_hosts]})
+    eps = two_hosts[(two_hosts.split == "server") & (two_hosts.metric == "epsilon")].value.iloc[-1]
+    assert "## Privacy spent" in text and f"| fedavg       | 3        | {eps:.3g} |" in text
+    Progress(3, "fedavg").update(2, 0.5, {}, epsilon=1.234)
+    assert "ε 1.23" in capsys.readouterr().err
