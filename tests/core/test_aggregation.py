@@ -43,6 +43,8 @@ def test_server_mean_is_n_weighted_and_independent_of_host_grouping():
                                client_metrics={h * 10 + i: {"loss": 0.0} for i in range(len(pairs))})
 
     class Fake:  # the Server's aggregation path only needs method + state
+        stages = None  # no privacy or compression stages
+
         def server_metrics(self, state):
             return {}
 
@@ -98,6 +100,8 @@ def test_the_engine_calls_aggregate_only_with_uploads():
             raise AssertionError("aggregate called without uploads")
 
     class Fake:
+        stages = None
+
         def server_metrics(self, state):
             return {}
 
