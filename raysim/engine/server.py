@@ -201,13 +201,6 @@ class Server:
         payload = self.method.broadcast(self.state, rnd)
         return {**payload, **self.stages.payload(self.stage_state)} if self.stages is not None else payload
 
-    def _stage_metrics(self, rnd: int, metrics: dict) -> dict:
-        """The privacy spent after ``rnd`` server steps (ε at δ) and the stages' own numbers."""
-        p = self.stages.privacy if self.stages is not None else None
-        if p is None:
-            return {}
-        return {**metrics, "epsilon": self.stages.spent.after(rnd), "noise_multiplier": p.noise_multiplier}
-
     def aggregate(self, rnd: int, *host_results: HostRoundResult) -> RoundSummary:
         """Reduce the hosts' results of round ``rnd`` (in host order), run the method's server step,
         and sum the round up."""
@@ -244,7 +237,7 @@ class Server:
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             bytes_up_eval=sum(r.bytes_up_eval for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
-                                            **self._stage_metrics(rnd, stage_metrics)}, clock=clock,
+                                            **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
                             bytes_down=getattr(self, "_bytes_down", 0) + getattr(self, "_bytes_query", 0),
                             host_seconds={r.host: r.seconds for r in results})
 
@@ -334,7 +327,7 @@ class Server:
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
-                                            **self._stage_metrics(rnd, stage_metrics)}, clock=clock,
+                                            **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
                             bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results})
 
     # ------------------------------------------------------------------ checkpoints and recovery
@@ -379,6 +372,15 @@ class Server:
         self.state = self._initial_state()
         self.stage_state = self.stages.init_state() if self.stages is not None else {}
         self._reset_timeline()
+
+
+def stage_metrics_of(stages, rnd: int, metrics: dict) -> dict:
+    """The privacy spent after ``rnd`` server steps (ε at δ) and the stages' own numbers (none
+    without a ``privacy:`` section)."""
+    p = stages.privacy if stages is not None else None
+    if p is None:
+        return {}
+    return {**metrics, "epsilon": stages.spent.after(rnd), "noise_multiplier": p.noise_multiplier}
 
 
 def level_availability(profiles):
