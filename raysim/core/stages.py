@@ -74,6 +74,19 @@ class PrivacyPlan:
     local: bool = False
     approximate: str = ""  # why the accountant's sampling is only close to the run's ("" : it is the run's)
 
+    def describe(self, target_epsilon: float | None, rounds: int) -> str:
+        """One line for the run's start: the noise and how it was chosen, the accountant's event."""
+        a = self.accounting
+        how = (f"chosen for ε = {target_epsilon:g} after {rounds} rounds" if target_epsilon is not None
+               else f"ε = {self.epsilon(rounds):.3g} after {rounds} rounds")
+        sampling = ("local DP, every round" if self.local else
+                    f"Poisson sampling, q = {a.rate:g}" if a.sampling == "poisson" else
+                    f"fixed-size sampling, {a.per_round} of {a.population}")
+        line = (f"privacy: noise multiplier z = {self.noise_multiplier:.4g} ({how} at δ = {self.delta:g}; "
+                f"{a.accountant} accountant, {sampling}), clip C = {self.clip:g}"
+                + (" (adaptive)" if self.adaptive is not None else ""))
+        return line + (f"; approximate: {self.approximate}" if self.approximate else "")
+
     @property
     def sum_noise(self) -> float:
         """The noise multiplier on the sum of clipped updates (z_Δ with adaptive clipping, else z)."""

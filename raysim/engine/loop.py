@@ -128,6 +128,8 @@ class FederationRun:
             self._start_hosts()
             self.domain_of = self.info["client_domains"].__getitem__
             self.buffered = self.info.get("buffered", False)
+            if self.info.get("privacy") and not resume:
+                _warn(f"raysim: {self.info['privacy']}")  # the noise a target ε chose, before round 1
             self.requests = eval_requests(cfg, eval_clients(cfg, self.n), self.info)
             rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
             startup = time.perf_counter() - t_start

@@ -101,6 +101,8 @@ class Server:
         return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
                 "domains": list(self.fed.domains), "client_domains": domains,
                 "buffered": self.buffered is not None,
+                "privacy": (self.stages.privacy.describe(self.cfg.privacy.target_epsilon, self.cfg.rounds)
+                            if self.stages is not None and self.stages.privacy is not None else None),
                 "num_train": [partition.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
