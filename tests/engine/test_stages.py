@@ -155,3 +155,11 @@ def test_summary_and_progress_say_the_privacy_spent(two_hosts, tmp_path, capsys)
     assert "## Privacy spent" in text and f"| fedavg       | 3        | {eps:.3g} |" in text
     Progress(3, "fedavg").update(2, 0.5, {}, epsilon=1.234)
     assert "ε 1.23" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ray_actors_give_the_metrics_of_the_in_process_run(two_hosts, ray_session, tmp_path):
+    """The same federation with its server and two hosts as Ray actors (the stages built in each
+    actor, the clip sent with the broadcast): the metrics of the in-process run."""
+    federation(cfg(), str(tmp_path), progress=False).run()
+    assert metrics(tmp_path).equals(two_hosts)
