@@ -256,21 +256,25 @@ def _exchanges(dirs: dict[str, str]) -> str:
 
 def privacy_section(panels: dict[str, list[pd.DataFrame]]) -> str:
     """The privacy each federation spent (raysim.core.stages): ε after its last round at its δ, the
-    noise multiplier z and the clip C of its last round, per row and seed."""
+    noise multiplier z and the clip C of its last round; one line per row, its seeds' values
+    joined where they differ (a seed that stopped early, an adaptive clip)."""
     rows = []
     for row, frames in panels.items():
+        seen = []
         for df in frames:
             server = df[(df.split == "server") & df.metric.isin(["epsilon", "noise_multiplier", "clip"])]
             if "epsilon" not in set(server.metric):
                 continue
             last = server[server["round"] == server["round"].max()].set_index("metric").value
-            rows.append([row, str(int(server["round"].max())), f"{last['epsilon']:.3g}",
-                         f"{last['noise_multiplier']:.4g}", f"{last.get('clip', float('nan')):.4g}"])
+            seen.append([str(int(server["round"].max())), f"{last['epsilon']:.3g}", f"{last['noise_multiplier']:.4g}",
+                         f"{last.get('clip', float('nan')):.4g}"])
+        if seen:
+            rows.append([row] + [", ".join(dict.fromkeys(cells)) for cells in zip(*seen)])
     if not rows:
         return ""
     return ("\n## Privacy spent\n\nClient-level (ε, δ)-DP of each federation after its last round (dp-accounting; "
-            "δ as configured, 1/N by default), its noise multiplier z and clip norm C:\n\n"
-            + markdown_table(["federation", "rounds", "ε", "z", "C"], rows) + "\n")
+            "δ as configured, 1/N by default), its noise multiplier z and clip norm C (seeds' values joined where "
+            "they differ):\n\n" + markdown_table(["federation", "rounds", "ε", "z", "C"], rows) + "\n")
 
 
 def _failed_section(failed: list[tuple[str, str]]) -> str:

@@ -150,7 +150,7 @@ def test_a_buffered_federation_runs_through_the_stages_alike_on_one_and_two_host
 def test_summary_and_progress_say_the_privacy_spent(two_hosts, tmp_path, capsys):
     from raysim.app.progress import Progress
     from raysim.app.report import privacy_section
-    text = privacy_section({"fedavg": [two_hosts]})
+    text = privacy_section({"fedavg": [two_hosts, two_hosts]})  # two seeds alike: one value each
     eps = two_hosts[(two_hosts.split == "server") & (two_hosts.metric == "epsilon")].value.iloc[-1]
     assert "## Privacy spent" in text and f"| fedavg       | 3        | {eps:.3g} |" in text
     Progress(3, "fedavg").update(2, 0.5, {}, epsilon=1.234)
