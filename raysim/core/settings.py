@@ -109,11 +109,15 @@ def coerce(value, tp, key: str, what: str = "config key"):
         return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        inner = None  # a mapping given for a section that may be null: the section's own error
         for option in typing.get_args(tp):
             try:
                 return coerce(value, option, key, what)
-            except UserError:
-                continue
+            except UserError as err:
+                if dataclasses.is_dataclass(option) and isinstance(value, dict):
+                    inner = err
+        if inner is not None:
+            raise inner
     elif tp is type(None):
         if value is None:
             return None

@@ -241,7 +241,7 @@ class ClientHost:
         """(the upload after the client stages, the bytes it sends); the client's new error-feedback
         residual into its record (on the host's state device unless the record travels)."""
         if self.stages is None:
-            return up, tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
+            return up, upload_nbytes(up)
         staged = self.stages.client(rnd, cid, up, mine["global"], mine, record.get(RESIDUAL_KEY))
         if staged.residual is not None:
             record[RESIDUAL_KEY] = residual_on(staged.residual, self._state_device if moved is None else None)
@@ -375,11 +375,11 @@ class ClientHost:
                     up = self.method.local_update(ctx)
                 record = self._next_record(record, ctx)
                 if self.stages is None:
-                    sent = tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
-                    delta = Upload(delta_upload(up.tensors, mine["global"]), up.weight)
+                    delta, sent = Upload(delta_upload(up.tensors, mine["global"]), up.weight, metrics=up.metrics), \
+                        upload_nbytes(up)
                 else:  # the stages' update is already the delta y − x_v
                     delta, sent = self._staged(rnd, cid, record, up, mine, None)
-            metrics = dict(delta.metrics if self.stages is not None else up.metrics)
+            metrics = dict(delta.metrics)
             metrics.update(self.clock.round_metrics(cid, meter.macs, tensors_nbytes(mine), sent))
             self._jobs[cid] = (delta, record, metrics, sent)
             durations[cid] = metrics["sim_seconds"]
@@ -479,6 +479,11 @@ class ClientHost:
                 "device_state_mb": self.store.bytes_on_device / 2**20,
                 "device_data_mb": self.device_budget.used / 2**20 if self.device_budget else 0.0,
                 "clients_with_state": len(self.store)}
+
+
+def upload_nbytes(up: Upload) -> int:
+    """What an upload sends as it is (no compression stage): its tensors, statistics and extras."""
+    return tensors_nbytes(up.tensors) + tensors_nbytes(up.statistics) + tensors_nbytes(up.extras)
 
 
 def _node() -> dict:

@@ -163,3 +163,10 @@ def test_ray_actors_give_the_metrics_of_the_in_process_run(two_hosts, ray_sessio
     actor, the clip sent with the broadcast): the metrics of the in-process run."""
     federation(cfg(), str(tmp_path), progress=False).run()
     assert metrics(tmp_path).equals(two_hosts)
+
+
+def test_a_mistake_inside_a_section_names_its_key():
+    with pytest.raises(UserError, match=r"^config key 'compression.kind' = 'zip': expected 'topk' or 'quantize'$"):
+        cfg("compression.kind=zip")
+    with pytest.raises(UserError, match="privacy: give 'clip'"):
+        load_config(raw={**RAW, "privacy": {"noise_multiplier": 1.0}})
