@@ -73,9 +73,15 @@ def as_index(idx, n: int) -> np.ndarray:
 
 
 class Split:
-    """Base class: ``len``, ``labels`` and ``tensors``; subclasses add storage."""
+    """Base class: ``len``, ``labels`` and ``tensors``; subclasses add storage.
+
+    ``groups``: None, or one int64 id per sample naming who produced it (a writer, a user, a
+    speaker), the same id in a domain's train, val and test; the natural partition makes one
+    client per group.
+    """
 
     labels: np.ndarray
+    groups: np.ndarray | None = None
     image_shape: tuple[int, int, int]
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -114,10 +120,22 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def as_groups(groups, n: int) -> np.ndarray | None:
+    """Per-sample group ids as a read-only int64 array of length ``n`` (None stays None)."""
+    if groups is None:
+        return None
+    g = np.asarray(groups).reshape(-1)
+    if g.shape[0] != n:
+        raise ValueError(f"{n} samples but {g.shape[0]} group ids")
+    if g.size and not np.issubdtype(g.dtype, np.integer):
+        raise ValueError(f"group ids must be integers, got {g.dtype} (map names to ids first)")
+    return _readonly(g.astype(np.int64, copy=False))
+
+
 class ArraySplit(Split):
     """uint8 images (N, C, H, W) held once; normalised floats cached on first use."""
 
-    def __init__(self, images: np.ndarray, labels, mean, std, augment=None, cache: str = "auto"):
+    def __init__(self, images: np.ndarray, labels, mean, std, augment=None, cache: str = "auto", groups=None):
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.ndim != 4:
             raise ValueError(f"ArraySplit wants uint8 (N,C,H,W), got {images.dtype} {images.shape}")
@@ -126,6 +144,7 @@ class ArraySplit(Split):
             raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
         self._u8 = _readonly(images)
         self.labels = _readonly(labels)
+        self.groups = as_groups(groups, labels.shape[0])
         self.image_shape = tuple(int(s) for s in images.shape[1:])
         self.mean, self.std = tuple(mean), tuple(std)
         self.augment = augment
@@ -177,12 +196,13 @@ class FileSplit(Split):
     """
 
     def __init__(self, paths: Sequence[str], labels, image_size: int, mean, std, augment=None,
-                 cache_images: bool = False):
+                 cache_images: bool = False, groups=None):
         self.paths = list(map(str, paths))
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if labels.shape[0] != len(self.paths):
             raise ValueError(f"{len(self.paths)} paths but {labels.shape[0]} labels")
         self.labels = _readonly(labels)
+        self.groups = as_groups(groups, labels.shape[0])
         self.image_size = int(image_size)
         self.image_shape = (3, self.image_size, self.image_size)
         self.mean, self.std = tuple(mean), tuple(std)
@@ -237,6 +257,8 @@ class ConcatSplit(Split):
             raise ValueError("ConcatSplit needs at least one part")
         self.parts = parts
         self.labels = _readonly(np.concatenate([p.labels for p in parts]))
+        if all(p.groups is not None for p in parts):
+            self.groups = _readonly(np.concatenate([p.groups for p in parts]))
         self.offsets = np.cumsum([0] + [len(p) for p in parts])
         self.image_shape = parts[0].image_shape
         self.mean, self.std, self.augment = parts[0].mean, parts[0].std, parts[0].augment
@@ -329,6 +351,37 @@ def stratified_carve(labels: np.ndarray, val_fraction: float, test_fraction: flo
         n_te = int(round(pos.size * test_fraction))
         n_va = int(round(pos.size * val_fraction))
         if n_te + n_va >= pos.size:  # keep at least one training example per class
+            n_te, n_va = min(n_te, max(pos.size - 1, 0)), max(min(n_va, pos.size - 1 - n_te), 0)
+        te.append(pos[:n_te])
+        va.append(pos[n_te:n_te + n_va])
+        tr.append(pos[n_te + n_va:])
+    cat = lambda xs: np.sort(np.concatenate(xs)).astype(np.int64) if xs else np.zeros(0, np.int64)
+    return cat(tr), cat(va), cat(te)
+
+
+def group_carve(groups: np.ndarray, val_fraction: float, test_fraction: float,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded split of positions into train/val/test within each group (``split_by: group``).
+
+    Every group keeps its share in every split, so a client made of one group (the natural
+    partition) evaluates on its own held-out samples; a group keeps at least one training
+    sample. Groups are visited in ascending id order, each with its own slice of ``rng``'s stream.
+    """
+    if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
+        raise UserError(
+            f"val_fraction={val_fraction}, test_fraction={test_fraction}: need both >= 0 and a sum < 1"
+        )
+    groups = np.asarray(groups).reshape(-1)
+    order = np.argsort(groups, kind="stable")
+    ids, starts = np.unique(groups[order], return_index=True)
+    bounds = np.append(starts, groups.size)
+    tr, va, te = [], [], []
+    for k in range(ids.size):
+        pos = order[bounds[k]:bounds[k + 1]]
+        pos = pos[rng.permutation(pos.size)]
+        n_te = int(round(pos.size * test_fraction))
+        n_va = int(round(pos.size * val_fraction))
+        if n_te + n_va >= pos.size:  # keep at least one training sample per group
             n_te, n_va = min(n_te, max(pos.size - 1, 0)), max(min(n_va, pos.size - 1 - n_te), 0)
         te.append(pos[:n_te])
         va.append(pos[n_te:n_te + n_va])
