@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import sys
 from pathlib import Path
 
-from raysim.core.errors import UserError, first_line
+from raysim.core import plugins
+from raysim.core.errors import UserError
 
 GROUP = "raysim.methods"  # the entry-point group of methods
 DISTRIBUTION = "raysim"
@@ -199,29 +198,8 @@ def _good_name(name) -> bool:
 
 
 def _import(module_name: str, spec: str):
-    """``module_name`` from sys.path, then from the current directory (a console script's sys.path
-    does not hold it; the directory stays on the path for the module's own later imports)."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-            raise UserError(f"method {spec!r}: no module named {module_name!r} (looked on sys.path and in "
-                            f"the current directory {cwd})") from None
-        raise UserError(f"method {spec!r}: importing {module_name} failed: {_why(err)}") from None
-    except Exception as err:  # the user's module raised while importing: where, in one line
-        raise UserError(f"method {spec!r}: importing {module_name} failed: {_why(err)}") from None
-
-
-def _why(err: BaseException) -> str:
-    import traceback
-    if isinstance(err, SyntaxError):
-        return f"SyntaxError: {err.msg} ({err.filename}:{err.lineno})"
-    frames = traceback.extract_tb(err.__traceback__)
-    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return first_line(err, with_type=True) + at
+    """``module_name`` from sys.path, then from the current directory (raysim.core.plugins)."""
+    return plugins.import_module(module_name, f"method {spec!r}")
 
 
 # ----------------------------------------------------------------------------- shipping
@@ -235,18 +213,7 @@ def plugin_sources(specs) -> list[str]:
     for spec in specs:
         if not is_plugin(spec):
             continue
-        cls = get(spec)
-        top = cls.__module__.split(".")[0]
-        if top == DISTRIBUTION:
-            continue
-        module = sys.modules[top]
-        paths = list(getattr(module, "__path__", None) or [])
-        if len(paths) > 1:
-            raise UserError(f"method {spec!r}: package {top} spans several folders ({', '.join(paths)}); "
-                            "raysim ships one folder to the Ray workers")
-        path = os.path.abspath(paths[0] if paths else module.__file__)
-        if any(part in ("site-packages", "dist-packages") for part in Path(path).parts):
-            continue
-        if path not in out:
+        path = plugins.ship_path(get(spec).__module__, f"method {spec!r}")
+        if path is not None and path not in out:
             out.append(path)
     return out
