@@ -1,5 +1,5 @@
-"""raysim command line: run, report, compare, methods, data show, data shard, new method (tune lives
-in raysim.tuning).
+"""raysim command line: run, report, compare, methods, data show, data shard, new method, new dataset
+(tune lives in raysim.tuning).
 
 User errors print one line, ``raysim: error: ...``, and exit with code 2; no traceback. A run that
 stops for another reason (a failed write, a lost actor beyond runtime.max_restarts) prints one
@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="inspect datasets")
     dsub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     show = dsub.add_parser("show", help="table of domains and splits; --grid saves sample images")
-    show.add_argument("name")
+    show.add_argument("name", help="a dataset's name, or a loader of your own: module:function (raysim/data/README.md)")
+    show.add_argument("options", nargs="*", metavar="key=value", help="the loader's options (data.options), "
+                                                                     "e.g. image_size=16")
     show.add_argument("--root", help="folder of a real dataset")
     show.add_argument("--grid", help="PNG file for a grid of sample images per domain")
     shard = dsub.add_parser("shard", help="write a config's client partition as Parquet shards "
@@ -81,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     nmeth.add_argument("--from", dest="example", metavar="EXAMPLE",
                        help="start from a shipped example instead, under NAME: fednova (FedNova, NeurIPS 2020: "
                             "NAME.py, test_NAME.py, NAME_tune.yaml)")
+    ndata = nsub.add_parser("dataset", help="write NAME.py (a dataset loader: two domains of generated images "
+                                            "with per-sample writer ids, where your reading code goes) and "
+                                            "test_NAME.py beside it; never overwrites")
+    ndata.add_argument("name", metavar="NAME", help="the module's name (a Python identifier); the loader is load_NAME")
+    ndata.add_argument("--dir", default=".", help="folder for the files (default: the current one)")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune + Optuna")
     tune.add_argument("args", nargs="*", metavar="CONFIG [key=value ...]")
@@ -155,8 +162,16 @@ def cmd_methods(ns) -> int:
 def cmd_data(ns) -> int:
     if ns.data_command == "shard":
         return cmd_data_shard(ns)
+    from raysim.config import parse_override
     from raysim.data.show import show
-    print(show(ns.name, root=ns.root, grid=ns.grid))
+
+    opts = {}
+    for text in ns.options:
+        path, value = parse_override(text)
+        if len(path) != 1:
+            raise UserError(f"raysim data show NAME [key=value ...]: {text!r}: an option's name has no '.'")
+        opts[path[0]] = value
+    print(show(ns.name, root=ns.root, grid=ns.grid, **opts))
     if ns.grid:
         print(f"sample grid written to {ns.grid}")
     return 0
@@ -190,11 +205,16 @@ def cmd_tune(ns) -> int:
 
 
 def cmd_new(ns) -> int:
-    from raysim.app.scaffold import new_method, next_steps
-    written = new_method(ns.name, ns.dir, example=ns.example)
+    from raysim.app import scaffold
+    if ns.new_command == "dataset":
+        written = scaffold.new_dataset(ns.name, ns.dir)
+        steps = scaffold.dataset_next_steps(ns.name, ns.dir)
+    else:
+        written = scaffold.new_method(ns.name, ns.dir, example=ns.example)
+        steps = scaffold.next_steps(ns.name, ns.dir, tune=any(p.endswith("_tune.yaml") for p in written))
     for path in written:
         print(f"wrote {path}")
-    print(next_steps(ns.name, ns.dir, tune=any(p.endswith("_tune.yaml") for p in written)), end="")
+    print(steps, end="")
     return 0
 
 

@@ -79,7 +79,7 @@ def run_search(spec: TuneSpec, out: str, address: str | None = None, echo=print)
 
 def _search(spec: TuneSpec, out: str, address: str | None, echo) -> dict:
     from ray import tune
-    from raysim.engine.cluster import ray_session
+    from raysim.engine.cluster import ray_session, shipped_plugins
 
     import ray
     from raysim.app.configs import load_checked
@@ -98,10 +98,12 @@ def _search(spec: TuneSpec, out: str, address: str | None, echo) -> dict:
     echo(f"raysim tune: {spec.method}, {spec.trials} trials x {spec.rounds} rounds, "
          f"{spec.metric} ({spec.mode}), sampler {spec.sampler['kind']}, scheduler {spec.scheduler['kind']}")
     echo(f"  space: {sp.describe(spec.space)}")
-    with ray_session(address, base.runtime, methods=[spec.method]):  # ships a plugin method to every trial
+    # a plugin method or dataset reaches every trial and its federation's actors
+    datasets = [] if base.data.shards else [base.data.dataset]
+    with ray_session(address, base.runtime, methods=[spec.method], datasets=datasets):
         bundles = trial_bundles(base.runtime, num_hosts_for(run_raw), spec.resources["trial_cpus"])
         check_fits(bundles, local)
-        ctx = TrialContext(run_experiment=run_raw, search_dir=out, rounds=spec.rounds)
+        ctx = TrialContext(run_experiment=run_raw, search_dir=out, rounds=spec.rounds, plugins=shipped_plugins())
         trainable = make_trainable(ctx, bundles, spec.resources["strategy"])
         exp_dir = os.path.join(out, EXPERIMENT)
         if resume:

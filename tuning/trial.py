@@ -63,10 +63,11 @@ def num_hosts_for(run_raw: dict) -> int:
     """
     import ray
     from raysim.app.configs import load_checked
+    from raysim.engine.cluster import with_plugins
     from raysim.engine.layout import host_layout
 
     try:
-        n = ray.get(ray.remote(num_cpus=0, max_retries=0)(_count_clients).remote(run_raw))
+        n = ray.get(ray.remote(**with_plugins(dict(num_cpus=0, max_retries=0)))(_count_clients).remote(run_raw))
     except ray.exceptions.RayTaskError as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, UserError):  # e.g. a dataset root that does not exist
@@ -111,13 +112,19 @@ class TrialContext:
     run_experiment: dict  # TuneSpec.run_experiment()
     search_dir: str
     rounds: int
+    # the plugins' modules for the trial's actors where the driver's Ray was connected before the
+    # search (raysim.engine.cluster.shipped); None: the job's runtime_env carries them
+    plugins: dict | None = None
 
 
 def make_trainable(ctx: TrialContext, bundles: list[dict], strategy: str):
     from ray import tune
 
     def raysim_trial(config):
-        run_trial(config, ctx)
+        from raysim.engine.cluster import shipped
+
+        with shipped(ctx.plugins):
+            run_trial(config, ctx)
 
     return tune.with_resources(raysim_trial, placement_factory(bundles, strategy))
 

@@ -138,8 +138,10 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
         print(f"raysim: every federation in {run_dir} has finished; its summary is rendered again", file=sys.stderr)
     results, failed = [], []
     if jobs:  # a finished run's rerun only renders its summary again: no Ray
+        # a plugin method or dataset reaches every actor (Ray's runtime_env: cluster.ray_session)
+        datasets = [one.data.dataset for one, _ in jobs if not one.data.shards]
         ray_or_not = contextlib.nullcontext() if debug else ray_session(address or cfg.runtime.address, cfg.runtime,
-                                                                         methods=cfg.method_names())
+                                                                         methods=cfg.method_names(), datasets=datasets)
         with ray_or_not:
             if not debug:
                 quiet_worker_death_notices()

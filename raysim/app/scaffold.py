@@ -1,4 +1,4 @@
-"""``raysim new method NAME``: a method of your own in two files, ready to run and to edit.
+"""``raysim new method NAME`` (and ``new dataset NAME``): your own in two files, ready to run and to edit.
 
 ``NAME.py`` holds the method (FedAvg with one hyperparameter and its own client step: label
 smoothing, a real, small change whose equation a test can check by hand) and ``test_NAME.py``
@@ -10,6 +10,11 @@ overwritten.
 checkout, raysim/examples/ in the wheel): its method file, its test file and its tune config,
 written under the user's name (module, class, method name, test and tune file), so that they run
 and pass as the example does.
+
+``raysim new dataset NAME``: a dataset loader of your own, ``NAME.py`` (``load_NAME``: two domains
+of generated images whose samples carry their writer's id, marked where the user's own reading
+code goes) and ``test_NAME.py`` (the loader's contract: every split, the same data for the same
+seed, the writer ids, an option reaching it), used as ``data.dataset: NAME:load_NAME``.
 """
 from __future__ import annotations
 
@@ -249,3 +254,171 @@ def rename_identifiers(source: str, old: str, new: str) -> str:
         line = lines[row - 1]
         lines[row - 1] = line[:col] + new + line[col + len(old):]
     return "".join(lines)
+
+
+# ----------------------------------------------------------------------------- a dataset
+
+DATASET = '''"""__NAME__: a dataset of your own for raysim. A starting point: put your reading code where marked.
+
+raysim calls  load___NAME__(root=data.root, seed=<the run's seed>, **data.options)  on the driver and
+on every Ray host, and wants a raysim.data.MultiDomainDataset back: named domains (the sites,
+devices or styles the data comes from), each with train/val/test splits. As generated here, two
+domains of 3-class images from 8 "writers" each; every sample carries its writer's id (groups),
+so a partition can give each writer a client of their own.
+
+Look at it:  raysim data show __NAME__:load___NAME__
+Test it:     python -m pytest test___NAME__.py
+Run it:      raysim run configs/quickstart.yaml data.dataset=__NAME__:load___NAME__     (from this folder)
+The contract: raysim/data/README.md in raysim's repository
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from raysim.data import ArraySplit, MultiDomainDataset
+from raysim.data.splits import group_carve
+
+CLASSES = ("horizontal", "vertical", "diagonal")  # label k is CLASSES[k]
+DOMAINS = ("paper", "screen")
+MEAN, STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # a channel's value x in [0, 1] is trained on as (x - mean) / std
+
+
+def load___NAME__(root=None, seed: int = 0, image_size: int = 24, writers: int = 8, per_writer: int = 80,
+                  val_fraction: float = 0.1, test_fraction: float = 0.2) -> MultiDomainDataset:
+    """The dataset. ``root``: data.root, the folder your data is in (the generated stand-in needs
+    none). ``seed``: the run's seed; draw every random choice from it, so the same seed gives the
+    same data on every host and in every rerun. The other parameters are the options a config
+    sets under data.options; each needs a default."""
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for d, domain in enumerate(DOMAINS):
+        # ---- your reading code goes here: for this domain, from files under root, build
+        #   images: uint8 (N, C, H, W)   labels: ints 0..len(CLASSES)-1 (N,)
+        #   groups: ints (N,), who produced each sample (a writer, a user, a patient); or None
+        images, labels, groups = stand_in(d, writers, per_writer, image_size, rng)
+        # ---- (images larger than memory: raysim.data.FileSplit(paths, labels, image_size, MEAN, STD)
+        # decodes them on demand; reading that takes long: cache its arrays, e.g. as .npz under
+        # raysim.data.cache.cache_dir(), keyed by root, seed and the options)
+        train, val, test = group_carve(groups, val_fraction, test_fraction, rng)  # within each writer
+        splits[domain] = {name: ArraySplit(images[pos], labels[pos], MEAN, STD, groups=groups[pos])
+                          for name, pos in (("train", train), ("val", val), ("test", test))}
+    return MultiDomainDataset("__NAME__", splits, CLASSES, info={"source": "generated stand-in", "root": root})
+
+
+def stand_in(domain: int, writers: int, per_writer: int, image_size: int, rng: np.random.Generator):
+    """Generated images: the class is a stroke's direction, a writer's own the stroke's width and
+    place, the domain the colours (dark ink on light paper, light ink on a dark screen)."""
+    n = writers * per_writer
+    groups = np.repeat(np.arange(writers) + domain * writers, per_writer)  # writer ids, unique across domains
+    labels = rng.integers(0, len(CLASSES), n)
+    rows, cols = np.mgrid[0:image_size, 0:image_size]
+    width = 0.6 + (groups % 3)[:, None, None] * 0.5
+    shift = ((groups * 5) % max(image_size // 3, 1) - image_size // 6)[:, None, None]
+    centre = image_size // 2 + shift
+    kind = labels[:, None, None]
+    distance = np.where(kind == 0, np.abs(rows - centre),
+                        np.where(kind == 1, np.abs(cols - centre), np.abs(cols - rows - shift) / np.sqrt(2)))
+    ink = (distance <= width).astype(np.float32)
+    paper, stroke = (0.9, 0.1) if domain == 0 else (0.1, 0.9)
+    gray = paper + (stroke - paper) * ink + rng.normal(0.0, 0.1, ink.shape)
+    images = np.clip(np.repeat(gray[:, None], 3, axis=1) * 255, 0, 255).astype(np.uint8)
+    return images, labels, groups
+'''
+
+DATASET_TEST = '''"""Tests of __NAME__.py: its loader keeps raysim's contract (raysim/data/README.md)."""
+import numpy as np
+import torch
+
+from raysim.data import SPLITS, MultiDomainDataset, load
+
+from __NAME__ import load___NAME__
+
+SPEC = "__NAME__:load___NAME__"  # as a config names it: data.dataset
+
+
+def test_it_loads_as_raysim_loads_it_with_every_split():
+    ds = load(SPEC, seed=0)  # raysim's own call: the options checked, what comes back checked
+    assert isinstance(ds, MultiDomainDataset) and ds.num_classes >= 2 and len(ds.domains) >= 1
+    for domain in ds.domains:
+        for split in SPLITS:
+            part = ds.split(domain, split)
+            assert len(part) > 0, (domain, split)
+            assert 0 <= part.labels.min() and part.labels.max() < ds.num_classes
+            assert tuple(part.image_shape) == ds.image_shape  # one image shape throughout
+    x, y = ds.split(ds.domains[0], "train").tensors(np.arange(4))
+    assert x.shape == (4, *ds.image_shape) and x.dtype == torch.float32 and y.dtype == torch.int64
+
+
+def test_the_same_seed_gives_the_same_data():
+    a, b, other = load___NAME__(seed=0), load___NAME__(seed=0), load___NAME__(seed=1)
+    for domain in a.domains:
+        for split in SPLITS:
+            first, again = a.split(domain, split), b.split(domain, split)
+            assert np.array_equal(first.labels, again.labels)
+            assert np.array_equal(first.images(np.arange(len(first))), again.images(np.arange(len(again))))
+    assert not np.array_equal(a.split(a.domains[0], "train").labels, other.split(a.domains[0], "train").labels)
+
+
+def test_every_sample_names_its_writer_and_each_writer_trains():
+    # (data without groups: delete this test)
+    ds = load___NAME__(seed=0)
+    seen = {}
+    for domain in ds.domains:
+        train, val, test = (ds.split(domain, s) for s in SPLITS)
+        for part in (train, val, test):
+            assert part.groups is not None and len(part.groups) == len(part)
+        # a writer's held-out samples come with training samples of theirs
+        assert set(val.groups) | set(test.groups) <= set(train.groups)
+        seen[domain] = set(train.groups)
+    assert not set.intersection(*seen.values())  # a writer belongs to one domain
+
+
+def test_an_option_reaches_the_loader():
+    assert load(SPEC, seed=0, image_size=12).image_shape == (3, 12, 12)
+'''
+
+
+def dataset_loader_name(name: str) -> str:
+    return f"load_{name}"
+
+
+def check_dataset_name(name: str) -> None:
+    """NAME is the module's name: an identifier that hides no importable module nor a dataset."""
+    import keyword
+
+    from raysim import data
+
+    if not _NAME.fullmatch(name) or keyword.iskeyword(name):
+        raise UserError(f"dataset name {name!r}: expected a Python identifier of letters, digits and '_', "
+                        "starting with a letter (it names the module NAME.py)")
+    if name in data.available():
+        raise UserError(f"dataset name {name!r} is a built-in dataset's; choose another")
+    if name in sys.stdlib_module_names or importlib.util.find_spec(name) is not None:
+        raise UserError(f"dataset name {name!r} is an importable module's; choose another (NAME.py would hide it)")
+
+
+def new_dataset(name: str, folder: str = ".") -> list[str]:
+    """Write ``NAME.py`` (the loader ``load_NAME``) and ``test_NAME.py`` into ``folder`` (created if
+    missing); the paths written. Refuses (UserError) where either file exists, and then writes none."""
+    check_dataset_name(name)
+    texts = {f"{name}.py": DATASET, f"test_{name}.py": DATASET_TEST}
+    files = {os.path.join(folder, f): text.replace("__NAME__", name) for f, text in texts.items()}
+    for path in files:
+        if os.path.exists(path):
+            raise UserError(f"{path} exists; raysim new never overwrites a file (remove it or choose another NAME)")
+    os.makedirs(folder, exist_ok=True)
+    for path, text in files.items():
+        write_text(path, text, exclusive=True)
+    return list(files)
+
+
+def dataset_next_steps(name: str, folder: str) -> str:
+    """What ``raysim new dataset`` prints after writing the files."""
+    spec = f"{name}:{dataset_loader_name(name)}"
+    cd = "" if os.path.abspath(folder) == os.getcwd() else f"cd {folder} && "
+    return (f"test it:  {cd}python -m pytest test_{name}.py\n"
+            f"look:     {cd}raysim data show {spec}\n"
+            f"run it:   {cd}raysim run configs/quickstart.yaml data.dataset={spec}\n"
+            f"or in a config:  data: {{dataset: \"{spec}\", options: {{image_size: 24}}}}\n"
+            "then put your own reading code where NAME.py marks it (raysim/data/README.md: the contract)\n"
+            .replace("NAME.py", f"{name}.py"))

@@ -27,8 +27,8 @@ class RayActors:
         """A Server actor; ``avoid_node``: the node of the one it replaces (see cluster.server_placement)."""
         from raysim.engine.server import Server
         where = cluster.server_placement(avoid_node, cfg.runtime.server_cpus)
-        return cluster.health_checked(Server).options(num_cpus=cfg.runtime.server_cpus,
-                                                      scheduling_strategy=where).remote(cfg)
+        options = cluster.with_plugins(dict(num_cpus=cfg.runtime.server_cpus, scheduling_strategy=where))
+        return cluster.health_checked(Server).options(**options).remote(cfg)
 
     def launch_pool(self, cfg, num_hosts: int):
         self.model = cfg.model.name

@@ -26,22 +26,26 @@ LOOPBACK = "127.0.0.1"
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, runtime=None, methods=()):
+def ray_session(address: str | None, runtime=None, methods=(), datasets=()):
     """Ray for the duration: joined at ``address`` (or RAY_ADDRESS), else started locally; left
     as it is if this process is already connected.
 
-    ``methods``: the run's method names. A method plugin's module (``module:Class``) reaches every
-    worker, on every node, through the job's ``runtime_env`` ``py_modules``
-    (:func:`job_runtime_env`): every actor and task of the job, Tune's trials and the federations'
-    actors inside them, imports it from there. raysim's own methods add nothing (the same
-    ``ray.init`` as ever). A process connected already (a caller's own ``ray.init``) keeps its
-    runtime_env: pass it :func:`job_runtime_env` there."""
+    ``methods``, ``datasets``: the run's method and dataset names. A plugin's module (a method's
+    ``module:Class``, a dataset's ``module:Loader``) reaches every worker, on every node, through
+    the job's ``runtime_env`` ``py_modules`` (:func:`job_runtime_env`): every actor and task of
+    the job, Tune's trials and the federations' actors inside them, imports it from there.
+    raysim's own methods and datasets add nothing (the same ``ray.init`` as ever). A process
+    connected already (a caller's own ``ray.init``, a test session) keeps its job's runtime_env:
+    the plugins then travel with the actors and tasks raysim starts (:func:`shipped`); Tune's
+    trials themselves do not get them, so a method plugin, which a trial imports, needs
+    :func:`job_runtime_env` in that ``ray.init``."""
     import ray
 
     if ray.is_initialized():
-        yield
+        with shipped(actor_runtime_env(plugin_sources(methods, datasets))):
+            yield
         return
-    runtime_env = job_runtime_env(methods)
+    runtime_env = job_runtime_env(methods, datasets)
     address = address or os.environ.get("RAY_ADDRESS")
     no_second_ray_instance()
     with own_signal_handlers():
@@ -123,14 +127,83 @@ def private_session_folder() -> None:
         pass
 
 
-def job_runtime_env(methods=()) -> dict | None:
-    """The job's ``runtime_env`` for these methods: ``{"py_modules": [...]}`` shipping each plugin's
-    module file or package folder from the driver (Ray uploads them once, by content hash, and puts
-    them on every worker's ``sys.path``); None when no plugin is named."""
+def plugin_sources(methods=(), datasets=()) -> list[str]:
+    """The module files and package folders the run's plugins need on every worker: the method
+    plugins' (:func:`raysim.methods.registry.plugin_sources`), then the dataset plugins'
+    (:func:`raysim.data.plugin_sources`)."""
+    from raysim import data
     from raysim.methods import registry
 
-    sources = registry.plugin_sources(methods)
+    out = registry.plugin_sources(methods)
+    return out + [path for path in data.plugin_sources(datasets) if path not in out]
+
+
+def job_runtime_env(methods=(), datasets=()) -> dict | None:
+    """The job's ``runtime_env`` for these methods and datasets: ``{"py_modules": [...]}`` shipping
+    each plugin's module file or package folder from the driver (Ray uploads them once, by content
+    hash, and puts them on every worker's ``sys.path``); None when no plugin is named."""
+    sources = plugin_sources(methods, datasets)
     return {"py_modules": sources} if sources else None
+
+
+# Where this process was connected to Ray before raysim's session, the job's runtime_env is fixed:
+# the plugins' modules are uploaded as Ray uploads a job's (gcs:// URIs, by content hash) and given
+# to each actor and task raysim starts (with_plugins). Ray deletes an upload no running actor uses
+# once its pin expires: pinned for a day, longer than any search that reuses it.
+_shipped: dict | None = None  # {"py_modules": [URI, ...]} inside shipped(), else None
+SHIP_PIN_S = 24 * 3600
+
+
+def actor_runtime_env(sources) -> dict | None:
+    """``sources`` (module files, package folders) uploaded to the connected cluster, as the
+    ``runtime_env`` of an actor: their URIs after the job's own py_modules (an actor's py_modules
+    replace the job's, not add to them). None without sources, and through Ray Client
+    (``ray://``), whose job runtime_env is the only way there."""
+    if not sources:
+        return None
+    import tempfile
+
+    import ray
+    from ray._private.runtime_env.packaging import pin_runtime_env_uri
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray.util.client import ray as client
+
+    if client.is_connected():
+        return None
+    keep_ignored = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") == "1"  # as ray.init reads it
+    with tempfile.TemporaryDirectory(prefix="raysim-ship-") as scratch:
+        uris = upload_py_modules_if_needed({"py_modules": list(sources)}, include_gitignore=not keep_ignored,
+                                           scratch_dir=scratch)["py_modules"]
+    for uri in uris:
+        pin_runtime_env_uri(uri, expiration_s=SHIP_PIN_S)
+    job = list((ray.get_runtime_context().runtime_env or {}).get("py_modules") or [])
+    return {"py_modules": list(dict.fromkeys(job + uris))}
+
+
+@contextlib.contextmanager
+def shipped(runtime_env: dict | None):
+    """Inside, the actors and tasks raysim starts from this process get ``runtime_env``
+    (:func:`actor_runtime_env`; None: nothing added) in their options (:func:`with_plugins`)."""
+    global _shipped
+    before, _shipped = _shipped, runtime_env
+    try:
+        yield
+    finally:
+        _shipped = before
+
+
+def shipped_plugins() -> dict | None:
+    """What :func:`shipped` gives the actors now (a Tune trial's federation gets it too)."""
+    return _shipped
+
+
+def with_plugins(options: dict) -> dict:
+    """Ray actor or task ``options`` with the shipped plugins' modules in their runtime_env
+    (its other keys, e.g. the deterministic env_vars, kept); ``options`` as they are outside
+    :func:`shipped`."""
+    if not _shipped:
+        return options
+    return {**options, "runtime_env": {**(options.get("runtime_env") or {}), **_shipped}}
 
 
 def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
@@ -394,7 +467,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
     for h in range(num_hosts):
         opts = dict(num_cpus=rt.cpus_per_host, num_gpus=rt.gpus_per_host, **actor_options(rt),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + h))
-        hosts.append(actor.options(**opts).remote(h, cfg, num_hosts))
+        hosts.append(actor.options(**with_plugins(opts)).remote(h, cfg, num_hosts))
     return hosts, [h.start.remote() for h in hosts], own_pg
 
 
