@@ -79,7 +79,7 @@ class PerDomainSpec(PartitionSpec):
             raise UserError(f"config section '{prefix}': per_domain takes num_clients only with assign: random")
 
 
-def _partition_by():
+def _partition_by_setting():
     return setting("label", one_of=PARTITION_BY, expected="'label' (the only column raysim partitions by)")
 
 
@@ -97,7 +97,7 @@ class DirichletSpec(PartitionSpec):
     # Flower Datasets' names: either one selects its draw (defaults there: 10 and false)
     min_partition_size: int | None = setting(None, ge=0)
     self_balancing: bool | None = None
-    partition_by: str = _partition_by()
+    partition_by: str = _partition_by_setting()
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
@@ -138,7 +138,7 @@ class ShardSpec(PartitionSpec):
     """``shard``: Flower Datasets' ShardPartitioner (McMahan et al.'s shards of label-sorted data),
     within each domain's train split."""
     clients_per_domain: int | tuple[int, ...] | dict = setting(1, ge=0)  # flwr's num_partitions
-    partition_by: str = _partition_by()
+    partition_by: str = _partition_by_setting()
     num_shards_per_partition: int | None = setting(None, ge=1)
     shard_size: int | None = setting(None, ge=1)
     keep_incomplete_shard: bool = False
@@ -159,7 +159,7 @@ class PathologicalSpec(PartitionSpec):
     """``pathological``: Flower Datasets' PathologicalPartitioner (each client holds a few
     classes), within each domain's train split."""
     clients_per_domain: int | tuple[int, ...] | dict = setting(1, ge=0)  # flwr's num_partitions
-    partition_by: str = _partition_by()
+    partition_by: str = _partition_by_setting()
     num_classes_per_partition: int | None = setting(None, ge=1)  # required
     class_assignment_mode: str = setting("random", one_of=CLASS_ASSIGNMENT_MODES)
 

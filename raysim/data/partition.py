@@ -14,8 +14,9 @@ The keys are declared, typed and checked by kind in ``raysim.core.partition_spec
 the dataset. Spec keys (all kinds): ``kind``, ``domains`` (subset/order), ``shared_test`` (every client
 of a domain evaluates on the domain's full val/test; default: true iff each domain has one
 client, else each client gets a disjoint slice of val/test proportional to its train
-share), ``shuffle`` (default true; false takes consecutive slices of the split's own order,
-e.g. FedBN's ``train_part0`` = the first 743 images).
+share; natural: false, each client its own group's), ``shuffle`` (default true; false takes
+consecutive slices of the split's own order, e.g. FedBN's ``train_part0`` = the first 743
+images; no effect on dirichlet, natural, shard or pathological).
 
 * ``per_domain``: ``clients_per_domain`` (int, list or {domain: k}; default 1) splits each
   domain's train set disjointly; ``fraction: f`` gives each client int(f * n_train)
@@ -30,18 +31,23 @@ e.g. FedBN's ``train_part0`` = the first 743 images).
   the cut; a partition strictly above the average is the one held back). The two families of
   keys do not mix, so an existing config (EasyFL's keys or neither) keeps its numbers: that is
   why flwr's names select flwr's algorithm rather than rename raysim's.
+* ``cross_device``: ``num_clients`` spread ``even`` (default; the counts round-robin dealing
+  gives, ids still grouped by domain) or ``proportional`` (to the domains' train sizes); ``samples_per_client`` (default: an even share of the pool);
+  ``overlap: true`` lets clients draw independently (without replacement within a client)
+  when clients x samples exceed the pool.
+* ``natural``: the data as it was produced: ``by: group`` (the only choice so far) makes one client
+  per group id (``Split.groups``: a writer, a user) of each domain's train split, ascending; its
+  val/test are that group's positions in the domain's val/test (so with a per-group carve a
+  client is tested on its own held-out data, even a domain's only client), or with
+  ``shared_test: true`` the domain's whole val/test. ``min_samples`` (default 1) drops groups
+  with fewer training samples, said in ``Partition.notes`` (as are val/test samples of groups
+  no client has). Built from one stable argsort per split and searchsorted group runs, so
+  100,000 groups cost a few arrays.
 * ``shard``: Flower Datasets' ShardPartitioner within each domain's train split:
   ``num_shards_per_partition`` and/or ``shard_size``, ``keep_incomplete_shard`` (default false).
 * ``pathological``: Flower Datasets' PathologicalPartitioner within each domain's train split:
   ``num_classes_per_partition``, ``class_assignment_mode`` (``random`` (default),
   ``deterministic``, ``first-deterministic``); a class no client is given is said in ``notes``.
-* ``natural``: the data as it was produced: ``by: group`` (the only choice so far) makes one client
-  per group id (``Split.groups``: a writer, a user) of each domain's train split, ascending;
-  its val/test are that group's positions in the domain's val/test (so with a per-group carve a
-  client is tested on its own held-out data), or with ``shared_test: true`` the domain's whole
-  val/test. ``min_samples`` (default 1) drops groups with fewer training samples, said in
-  ``Partition.notes``. Built from one stable argsort per split plus searchsorted group runs, so
-  100,000 groups cost a few arrays.
 
 Flower Datasets' names map onto raysim's: ``num_partitions`` is ``clients_per_domain`` (each
 kind applies within each domain; a single-domain dataset is flwr's case), ``partition_by`` may
@@ -54,10 +60,6 @@ dirichlet's are. The algorithms are pure functions of (labels, parameters, a num
 with ``shuffle: false`` is the same up to where the longer blocks fall); handed
 ``np.random.default_rng(seed)`` they reproduce flwr-datasets with ``seed=seed`` exactly
 (tests/data/test_data_partition_flwr.py, against partitions flwr-datasets 0.6.1 wrote).
-* ``cross_device``: ``num_clients`` spread ``even`` (default; the counts round-robin dealing
-  gives, ids still grouped by domain) or ``proportional`` (to the domains' train sizes); ``samples_per_client`` (default: an even share of the pool);
-  ``overlap: true`` lets clients draw independently (without replacement within a client)
-  when clients x samples exceed the pool.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ import numpy as np
 
 from raysim.data.splits import ALL, SPLITS
 from raysim.core.errors import UserError
-from raysim.core.partition_spec import HOLDOUT_KEYS, KINDS, keys
+from raysim.core.partition_spec import CLASS_ASSIGNMENT_MODES, HOLDOUT_KEYS, KINDS, keys
 
 # the keys a spec given to make_partition may hold: its kind's, less the held-out domain's (taken
 # off the config's partition before the federation builds it; see leave_one_domain_out)
@@ -660,7 +662,7 @@ def pathological_partitions(labels, num_partitions: int, *, num_classes_per_part
             chosen.append(mine)
     else:
         raise UserError(f"partition: class_assignment_mode={class_assignment_mode!r}: expected one of "
-                        "random, deterministic, first-deterministic")
+                        f"{', '.join(CLASS_ASSIGNMENT_MODES)}")
     holders = [[] for _ in range(C)]
     for j, mine in enumerate(chosen):
         for c in mine:
@@ -746,7 +748,7 @@ def _plan_natural(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPl
     if not any(counts.values()):
         raise UserError(f"partition: natural with min_samples={min_samples} leaves no client: no group of "
                         f"{ds.name!r} has that many training samples")
-    shared = spec.get("shared_test", shared_default(counts))
+    shared = spec.get("shared_test", False)  # even a domain's only client: its own group's val/test
     plans, first = [], 0
     for d, (order, ids, lo, hi) in kept.items():
         k = ids.size

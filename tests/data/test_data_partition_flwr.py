@@ -111,7 +111,7 @@ def test_shard_partitions_are_disjoint_cover_and_few_classes():
     assert np.unique(flat).size == flat.size == 10 * 2 * (y.size // 20)  # disjoint, equal shards
     # a shard of label-sorted data spans at most a few classes; two shards about twice that
     assert max(np.unique(y[x]).size for x in two) <= 6
-    with pytest.raises(UserError, match=r"shard: 10 clients x 2 shards of 100 need 2000 train images; the split has 1200"):
+    with pytest.raises(UserError, match="shard: 10 clients x 2 shards of 100 need 2000 train images; the split has"):
         shard_partitions(y, 10, num_shards_per_partition=2, shard_size=100, rng=np.random.default_rng(0))
     with pytest.raises(UserError, match="make 5 shards of 240, fewer than the 6 clients"):
         shard_partitions(y, 6, shard_size=240, rng=np.random.default_rng(0))

@@ -87,8 +87,8 @@ def test_min_samples_drops_small_groups_and_says_so():
 
 
 def test_a_dataset_without_groups_is_one_line():
-    plain = MultiDomainDataset("plain", {"x": {s: ArraySplit(np.zeros((8, 1, 1, 1), np.uint8), np.arange(8) % 2,
-                                                             (0,), (1,)) for s in ("train", "val", "test")}}, ["0", "1"])
+    no_groups = ArraySplit(np.zeros((8, 1, 1, 1), np.uint8), np.arange(8) % 2, (0,), (1,))
+    plain = MultiDomainDataset("plain", {"x": {s: no_groups for s in ("train", "val", "test")}}, ["0", "1"])
     with pytest.raises(UserError) as err:
         make_partition(plain, {"kind": "natural"}, 0)
     message = str(err.value)
@@ -104,6 +104,10 @@ def test_own_val_test_needs_their_group_ids_shared_does_not():
     with pytest.raises(UserError, match="domain 'x''s val split of 'half' has no group ids; set shared_test: true"):
         make_partition(ds, {"kind": "natural"}, 0)
     assert make_partition(ds, {"kind": "natural", "shared_test": True}, 0).shard(1).val.tolist() == [0, 1]
+    one = MultiDomainDataset("one", {"x": {"train": split([4, 4]), "val": split([4, 6]), "test": split([6, 4, 4])}},
+                             ["0", "1", "2", "3"])
+    own = make_partition(one, {"kind": "natural"}, 0).shard(0)  # a domain's only client: still its own group's
+    assert own.val.tolist() == [0] and own.test.tolist() == [1, 2]
 
 
 def test_same_for_every_seed_and_travels_intact():
