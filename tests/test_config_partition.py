@@ -27,6 +27,9 @@ MINIMAL = {
     "per_domain": {"kind": "per_domain"},
     "dirichlet": {"kind": "dirichlet", "alpha": 1, "clients_per_domain": 4},
     "cross_device": {"kind": "cross_device", "num_clients": 12},
+    "natural": {"kind": "natural"},
+    "shard": {"kind": "shard", "clients_per_domain": 4, "num_shards_per_partition": 2},
+    "pathological": {"kind": "pathological", "clients_per_domain": 4, "num_classes_per_partition": 2},
 }
 
 
@@ -94,6 +97,12 @@ TOO_BIG = {  # per kind, a partition rotated_mnist's ~660 training images per do
                   "partition: 10 clients x min_size 100 exceed domain '0''s "),
     "cross_device": ({"kind": "cross_device", "num_clients": 12, "samples_per_client": 400},
                      "partition: 2 clients x 400 samples exceed domain '0''s "),
+    # (rotated_mnist has no per-sample group ids: the natural partition cannot be made at all)
+    "natural": ({"kind": "natural"}, "partition: natural needs per-sample group ids"),
+    "shard": ({"kind": "shard", "clients_per_domain": 10, "num_shards_per_partition": 2, "shard_size": 40},
+              "partition: shard: 10 clients x 2 shards of 40 need 800 train images; domain '0' has "),
+    "pathological": ({"kind": "pathological", "clients_per_domain": 1000, "num_classes_per_partition": 2},
+                     "partition: 1000 clients exceed domain '0''s "),
 }
 
 
@@ -132,7 +141,8 @@ def tiny_dataset() -> MultiDomainDataset:
     rng = np.random.default_rng(0)
     splits = {}
     for d, sizes in {"a": (120, 20, 30), "b": (80, 10, 20)}.items():
-        splits[d] = {s: ArraySplit(np.zeros((n, 1, 2, 2), np.uint8), rng.permutation(np.arange(n) % 4), (0,), (1,))
+        splits[d] = {s: ArraySplit(np.zeros((n, 1, 2, 2), np.uint8), rng.permutation(np.arange(n) % 4), (0,), (1,),
+                                   groups=np.arange(n) % 5)  # (writers, for the natural partition)
                      for s, n in zip(("train", "val", "test"), sizes)}
     return MultiDomainDataset("tiny", splits, ["0", "1", "2", "3"])
 

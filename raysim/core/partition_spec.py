@@ -14,7 +14,10 @@ from dataclasses import dataclass, fields
 from raysim.core.errors import UserError
 from raysim.core.settings import build, setting
 
-KINDS = ("per_domain", "dirichlet", "cross_device")
+KINDS = ("per_domain", "dirichlet", "cross_device", "natural", "shard", "pathological")
+# what the label-skew kinds may group samples by (Flower Datasets' ``partition_by``); raysim's
+# splits carry one column, the label
+PARTITION_BY = ("label",)
 # keys of the config's partition that are not the partition's own: the held-out domain of a
 # leave-one-domain-out federation and its test set; the engine takes them off before building it
 HOLDOUT_KEYS = frozenset({"holdout", "target_test"})
@@ -76,20 +79,36 @@ class PerDomainSpec(PartitionSpec):
             raise UserError(f"config section '{prefix}': per_domain takes num_clients only with assign: random")
 
 
+def _partition_by_setting():
+    return setting("label", one_of=PARTITION_BY, expected="'label' (the only column raysim partitions by)")
+
+
 @dataclass
 class DirichletSpec(PartitionSpec):
-    """``dirichlet``: label skew within each domain."""
+    """``dirichlet``: label skew within each domain, by EasyFL/FedLab's draw (``min_size``,
+    ``balance``) or, when ``min_partition_size`` or ``self_balancing`` is given, by Flower
+    Datasets' DirichletPartitioner (the two families of keys do not mix)."""
     clients_per_domain: int | tuple[int, ...] | dict = setting(1, ge=0)
     alpha: float | None = setting(None, gt=0)  # required
-    min_size: int = setting(10, ge=0)  # redraw until every client has this many images
-    balance: bool = True  # a client above the average size gets no more of a class (EasyFL, FedLab)
+    min_size: int | None = setting(None, ge=0)  # null: 10; redraw until every client has this many images
+    # null: true; a client above the average size gets no more of a class (EasyFL, FedLab)
+    balance: bool | None = None
     max_tries: int = setting(1000, ge=1)
+    # Flower Datasets' names: either one selects its draw (defaults there: 10 and false)
+    min_partition_size: int | None = setting(None, ge=0)
+    self_balancing: bool | None = None
+    partition_by: str = _partition_by_setting()
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
         _check_counts(self.clients_per_domain, prefix)
         if self.alpha is None:
             raise UserError(f"config section '{prefix}': kind dirichlet needs alpha (> 0)")
+        easyfl = [k for k in ("min_size", "balance") if getattr(self, k) is not None]
+        flwr = [k for k in ("min_partition_size", "self_balancing") if getattr(self, k) is not None]
+        if easyfl and flwr:
+            raise UserError(f"config section '{prefix}': {', '.join(easyfl)} (EasyFL/FedLab's draw) and "
+                            f"{', '.join(flwr)} (Flower Datasets' draw) do not mix; give one family")
 
 
 @dataclass
@@ -106,8 +125,54 @@ class CrossDeviceSpec(PartitionSpec):
             raise UserError(f"config section '{prefix}': kind cross_device needs num_clients")
 
 
+@dataclass
+class NaturalSpec(PartitionSpec):
+    """``natural``: one client per group id (writer, user) in each domain's train split."""
+    by: str = setting("group", one_of=("group",), expected="'group' (the per-sample group ids; the only "
+                                                            "natural grouping so far)")
+    min_samples: int = setting(1, ge=1)  # groups with fewer training samples are dropped (and said so)
+
+
+@dataclass
+class ShardSpec(PartitionSpec):
+    """``shard``: Flower Datasets' ShardPartitioner (McMahan et al.'s shards of label-sorted data),
+    within each domain's train split."""
+    clients_per_domain: int | tuple[int, ...] | dict = setting(1, ge=0)  # flwr's num_partitions
+    partition_by: str = _partition_by_setting()
+    num_shards_per_partition: int | None = setting(None, ge=1)
+    shard_size: int | None = setting(None, ge=1)
+    keep_incomplete_shard: bool = False
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        _check_counts(self.clients_per_domain, prefix)
+        if self.num_shards_per_partition is None and self.shard_size is None:
+            raise UserError(f"config section '{prefix}': kind shard needs num_shards_per_partition, "
+                            "shard_size or both")
+
+
+CLASS_ASSIGNMENT_MODES = ("random", "deterministic", "first-deterministic")
+
+
+@dataclass
+class PathologicalSpec(PartitionSpec):
+    """``pathological``: Flower Datasets' PathologicalPartitioner (each client holds a few
+    classes), within each domain's train split."""
+    clients_per_domain: int | tuple[int, ...] | dict = setting(1, ge=0)  # flwr's num_partitions
+    partition_by: str = _partition_by_setting()
+    num_classes_per_partition: int | None = setting(None, ge=1)  # required
+    class_assignment_mode: str = setting("random", one_of=CLASS_ASSIGNMENT_MODES)
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        _check_counts(self.clients_per_domain, prefix)
+        if self.num_classes_per_partition is None:
+            raise UserError(f"config section '{prefix}': kind pathological needs num_classes_per_partition")
+
+
 SPECS: dict[str, type[PartitionSpec]] = {
-    "per_domain": PerDomainSpec, "dirichlet": DirichletSpec, "cross_device": CrossDeviceSpec}
+    "per_domain": PerDomainSpec, "dirichlet": DirichletSpec, "cross_device": CrossDeviceSpec,
+    "natural": NaturalSpec, "shard": ShardSpec, "pathological": PathologicalSpec}
 
 
 def keys(kind: str) -> frozenset[str]:

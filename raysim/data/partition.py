@@ -14,8 +14,9 @@ The keys are declared, typed and checked by kind in ``raysim.core.partition_spec
 the dataset. Spec keys (all kinds): ``kind``, ``domains`` (subset/order), ``shared_test`` (every client
 of a domain evaluates on the domain's full val/test; default: true iff each domain has one
 client, else each client gets a disjoint slice of val/test proportional to its train
-share), ``shuffle`` (default true; false takes consecutive slices of the split's own order,
-e.g. FedBN's ``train_part0`` = the first 743 images).
+share; natural: false, each client its own group's), ``shuffle`` (default true; false takes
+consecutive slices of the split's own order, e.g. FedBN's ``train_part0`` = the first 743
+images; no effect on dirichlet, natural, shard or pathological).
 
 * ``per_domain``: ``clients_per_domain`` (int, list or {domain: k}; default 1) splits each
   domain's train set disjointly; ``fraction: f`` gives each client int(f * n_train)
@@ -25,10 +26,40 @@ e.g. FedBN's ``train_part0`` = the first 743 images).
 * ``dirichlet``: label skew within each domain: ``clients_per_domain``, ``alpha``,
   ``min_size`` (default 10, redraw until every client has it), ``balance`` (default true:
   a client already above the average size gets no more of a class, as EasyFL/FedLab do).
+  Giving Flower Datasets' ``min_partition_size`` (default 10) or ``self_balancing`` (default
+  false) instead selects its DirichletPartitioner's draw exactly (no per-class shuffle before
+  the cut; a partition strictly above the average is the one held back). The two families of
+  keys do not mix, so an existing config (EasyFL's keys or neither) keeps its numbers: that is
+  why flwr's names select flwr's algorithm rather than rename raysim's.
 * ``cross_device``: ``num_clients`` spread ``even`` (default; the counts round-robin dealing
   gives, ids still grouped by domain) or ``proportional`` (to the domains' train sizes); ``samples_per_client`` (default: an even share of the pool);
   ``overlap: true`` lets clients draw independently (without replacement within a client)
   when clients x samples exceed the pool.
+* ``natural``: the data as it was produced: ``by: group`` (the only choice so far) makes one client
+  per group id (``Split.groups``: a writer, a user) of each domain's train split, ascending; its
+  val/test are that group's positions in the domain's val/test (so with a per-group carve a
+  client is tested on its own held-out data, even a domain's only client), or with
+  ``shared_test: true`` the domain's whole val/test. ``min_samples`` (default 1) drops groups
+  with fewer training samples, said in ``Partition.notes`` (as are val/test samples of groups
+  no client has). Built from one stable argsort per split and searchsorted group runs, so
+  100,000 groups cost a few arrays.
+* ``shard``: Flower Datasets' ShardPartitioner within each domain's train split:
+  ``num_shards_per_partition`` and/or ``shard_size``, ``keep_incomplete_shard`` (default false).
+* ``pathological``: Flower Datasets' PathologicalPartitioner within each domain's train split:
+  ``num_classes_per_partition``, ``class_assignment_mode`` (``random`` (default),
+  ``deterministic``, ``first-deterministic``); a class no client is given is said in ``notes``.
+
+Flower Datasets' names map onto raysim's: ``num_partitions`` is ``clients_per_domain`` (each
+kind applies within each domain; a single-domain dataset is flwr's case), ``partition_by`` may
+only be ``label``, ``seed`` is the run's seed (each domain draws from its own generator keyed by
+(seed, kind, domain)), and ``shuffle`` is raysim's common key: flwr's only reorders samples
+inside a partition, so it changes no client's samples. Val/test of these kinds are dealt as
+dirichlet's are. The algorithms are pure functions of (labels, parameters, a numpy Generator):
+``flwr_dirichlet_partitions``, ``shard_partitions``, ``pathological_partitions`` and
+``iid_partitions`` (IidPartitioner: consecutive blocks, no kind of its own since ``per_domain``
+with ``shuffle: false`` is the same up to where the longer blocks fall); handed
+``np.random.default_rng(seed)`` they reproduce flwr-datasets with ``seed=seed`` exactly
+(tests/data/test_data_partition_flwr.py, against partitions flwr-datasets 0.6.1 wrote).
 """
 
 from __future__ import annotations
@@ -41,11 +72,14 @@ import numpy as np
 
 from raysim.data.splits import ALL, SPLITS
 from raysim.core.errors import UserError
-from raysim.core.partition_spec import HOLDOUT_KEYS, KINDS, keys
+from raysim.core.partition_spec import CLASS_ASSIGNMENT_MODES, HOLDOUT_KEYS, KINDS, keys
 
 # the keys a spec given to make_partition may hold: its kind's, less the held-out domain's (taken
 # off the config's partition before the federation builds it; see leave_one_domain_out)
 _KEYS = {kind: keys(kind) - HOLDOUT_KEYS for kind in KINDS}
+# keys whose null means "not given" (their typed spec's default is null)
+_NULL_IS_UNSET = ("shared_test", "num_clients", "min_size", "balance", "min_partition_size", "self_balancing",
+                  "num_shards_per_partition", "shard_size", "num_classes_per_partition")
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +130,23 @@ class _Slices:
 
     def counts(self) -> np.ndarray:
         return np.diff(np.asarray(self.bounds))
+
+
+class _Ranges:
+    """Client j gets ``order[lo[j]:hi[j]]``: one group's run of a group-sorted order (a stable
+    argsort, so each run is already ascending); the runs of dropped or absent groups are skipped."""
+
+    def __init__(self, order: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+        self.order, self.lo, self.hi = order, lo, hi
+
+    def get(self, j: int) -> np.ndarray:
+        return self.order[self.lo[j]:self.hi[j]]
+
+    def count(self, j: int) -> int:
+        return int(self.hi[j] - self.lo[j])
+
+    def counts(self) -> np.ndarray:
+        return self.hi - self.lo
 
 
 class _EqualShareBounds:
@@ -172,8 +223,12 @@ class _DomainPlan:
 class Partition:
     """Clients of a federation and, per client, its domain and data positions."""
 
-    def __init__(self, dataset: str, plans: list[_DomainPlan], spec: dict, seed: int):
+    def __init__(self, dataset: str, plans: list[_DomainPlan], spec: dict, seed: int,
+                 notes: list[str] | None = None):
         self.dataset = dataset
+        # what building it left out or changed, one line each (e.g. the groups a natural partition
+        # dropped), for the run to print at its start
+        self.notes = list(notes or [])
         self._plans = plans
         self._starts = np.array([p.first for p in plans], np.int64)
         self.num_clients = int(sum(p.n for p in plans))
@@ -227,7 +282,7 @@ class Partition:
             c = p.plans["train"].counts()
             rows.append(f"{p.domain:<14}{p.n:>9}{f'{c.min()}..{c.max()}' if c.size else '-':>26}"
                         f"{int(p.plans['val'].counts().sum()):>8}{int(p.plans['test'].counts().sum()):>8}")
-        return "\n".join(rows)
+        return "\n".join(rows + self.notes)
 
     def __repr__(self) -> str:
         return (f"Partition({self.dataset!r}, kind={self.spec.get('kind')!r}, clients={self.num_clients}, "
@@ -333,7 +388,7 @@ def _assign_random(ds, spec, doms, seed) -> dict[str, int]:
     raise UserError(f"partition: cannot place {n} clients over {len(doms)} domains without a domain running out of data")
 
 
-def _plan_per_domain(ds, spec, doms, seed, shared_default) -> list[_DomainPlan]:
+def _plan_per_domain(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
     if spec.get("assign") not in (None, "random"):
         raise UserError(f"partition: assign={spec['assign']!r}: expected 'random'")
     if spec.get("assign") == "random":
@@ -403,31 +458,327 @@ def _dirichlet_lists(labels: np.ndarray, k: int, alpha: float, min_size: int, ba
                     f"min_size={min_size} samples in {max_tries} draws; lower min_size or raise alpha")
 
 
-def _plan_dirichlet(ds, spec, doms, seed, shared_default) -> list[_DomainPlan]:
-    counts = _per_domain_counts(spec, doms)
-    alpha = spec.get("alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise UserError(f"partition: dirichlet needs alpha > 0, got {alpha!r}")
-    min_size = _int(spec, "min_size", 0, 10)
-    max_tries = _int(spec, "max_tries", 1, 1000)
-    balance = bool(spec.get("balance", True))
-    shared = spec.get("shared_test", shared_default(counts))
+def _partition_by(spec: dict) -> str:
+    v = spec.get("partition_by", "label")
+    if v != "label":
+        raise UserError(f"partition: partition_by={v!r}: raysim partitions by 'label' only (its splits "
+                        "carry no other per-sample column)")
+    return v
+
+
+def _plan_lists(ds, doms, counts: dict[str, int], shared: bool, seed: int, lists_of) -> list[_DomainPlan]:
+    """One domain plan per domain with clients: ``lists_of(labels, k, domain)`` gives the train
+    positions of its k clients; val/test as ``_val_test_plans`` deals them."""
     plans, first = [], 0
     for d in doms:
         k = counts[d]
         if k == 0:
             continue
         labels = ds.split(d, "train").labels
-        lists = _dirichlet_lists(labels, k, float(alpha), min_size, balance, max_tries,
-                                 _rng(seed, "partition/dirichlet", d), d)
-        train = _Lists(lists)
+        train = _Lists(lists_of(labels, k, d))
         plans.append(_DomainPlan(d, first, k, {"train": train,
                                                **_val_test_plans(ds, d, train.counts(), labels.size, shared, seed)}))
         first += k
     return plans
 
 
-def _plan_cross_device(ds, spec, doms, seed, shared_default) -> list[_DomainPlan]:
+def _plan_dirichlet(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
+    counts = _per_domain_counts(spec, doms)
+    alpha = spec.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise UserError(f"partition: dirichlet needs alpha > 0, got {alpha!r}")
+    _partition_by(spec)
+    easyfl = [k for k in ("min_size", "balance") if k in spec]
+    flwr = [k for k in ("min_partition_size", "self_balancing") if k in spec]
+    if easyfl and flwr:
+        raise UserError(f"partition: {', '.join(easyfl)} (EasyFL/FedLab's draw) and {', '.join(flwr)} "
+                        "(Flower Datasets' draw) do not mix; give one family")
+    max_tries = _int(spec, "max_tries", 1, 1000)
+    shared = spec.get("shared_test", shared_default(counts))
+    if flwr:
+        min_partition_size = _int(spec, "min_partition_size", 0, 10)
+        self_balancing = _bool(spec, "self_balancing", False)
+        return _plan_lists(ds, doms, counts, shared, seed, lambda labels, k, d: flwr_dirichlet_partitions(
+            labels, k, alpha=float(alpha), min_partition_size=min_partition_size, self_balancing=self_balancing,
+            rng=_rng(seed, "partition/flwr_dirichlet", d), max_tries=max_tries, where=f"domain {d!r}"))
+    min_size = _int(spec, "min_size", 0, 10)
+    balance = bool(spec.get("balance", True))
+    return _plan_lists(ds, doms, counts, shared, seed, lambda labels, k, d: _dirichlet_lists(
+        labels, k, float(alpha), min_size, balance, max_tries, _rng(seed, "partition/dirichlet", d), d))
+
+
+def _bool(spec: dict, key: str, default: bool) -> bool:
+    v = spec.get(key, default)
+    if not isinstance(v, bool):
+        raise UserError(f"partition: {key}={v!r}: expected true or false")
+    return v
+
+
+# ---------------------------------------------------------------- Flower Datasets' partitioners
+#
+# Each is a pure function of (labels, parameters, numpy Generator) returning one sorted array of
+# positions per partition. Handed ``np.random.default_rng(seed)`` it makes the partitions
+# flwr-datasets makes with ``seed=seed`` (tests/data/test_data_partition_flwr.py holds them to
+# partitions flwr-datasets wrote); a config's partition hands it raysim's generator keyed by (run
+# seed, kind, domain) instead. flwr's ``shuffle`` only reorders the samples inside a partition after
+# they were chosen, so it changes no partition's samples and is no parameter here.
+
+
+def _check_partitions(k: int, n: int, where: str) -> None:
+    if not _is_int(k, 1):
+        raise UserError(f"partition: {k!r} clients: expected an integer >= 1")
+    if k > n:
+        raise UserError(f"partition: {k} clients exceed {where}'s {n} train images")
+
+
+def iid_partitions(n: int, num_partitions: int) -> list[np.ndarray]:
+    """Flower Datasets' IidPartitioner: consecutive blocks of the split's own order, the first
+    ``n % num_partitions`` one longer (Hugging Face's ``Dataset.shard(contiguous=True)``); no
+    randomness. (``per_domain`` with ``shuffle: false`` deals the longer blocks spread out instead.)"""
+    if not _is_int(num_partitions, 1):
+        raise UserError(f"partition: {num_partitions!r} clients: expected an integer >= 1")
+    j = np.arange(num_partitions + 1, dtype=np.int64)
+    div, mod = divmod(int(n), int(num_partitions))
+    starts = div * j + np.minimum(j, mod)
+    return [np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in range(num_partitions)]
+
+
+def _class_runs(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(classes ascending, positions sorted by class — ascending within a class —, run bounds)."""
+    order = np.argsort(labels, kind="stable")
+    classes, starts = np.unique(labels[order], return_index=True)
+    return classes, order, np.append(starts, labels.size)
+
+
+def flwr_dirichlet_partitions(labels, num_partitions: int, *, alpha: float, min_partition_size: int = 10,
+                              self_balancing: bool = False, rng: np.random.Generator, max_tries: int = 1000,
+                              where: str = "the split") -> list[np.ndarray]:
+    """Flower Datasets' DirichletPartitioner: for each class in ascending order, one Dirichlet(alpha)
+    draw of the partitions' shares, its samples cut in their own order at the cumulative shares;
+    ``self_balancing`` first zeroes the share of a partition already above the average size;
+    redrawn whole until every partition has ``min_partition_size`` (flwr gives up after 11 draws,
+    this after ``max_tries``: the same partitions whenever flwr finds one)."""
+    labels = np.asarray(labels).reshape(-1)
+    n, k = labels.size, num_partitions
+    _check_partitions(k, n, where)
+    if k * min_partition_size > n:
+        raise UserError(f"partition: {k} clients x min_partition_size {min_partition_size} exceed {where}'s "
+                        f"{n} train images")
+    classes, order, bounds = _class_runs(labels)
+    alphas = np.full(k, float(alpha))
+    average = n / k
+    for _ in range(max_tries):
+        parts = [[] for _ in range(k)]
+        sizes = np.zeros(k, np.int64)
+        for c in range(classes.size):
+            pos = order[bounds[c]:bounds[c + 1]]
+            p = rng.dirichlet(alphas)
+            if self_balancing:  # never all zero: not every partition can be above the average
+                p = np.where(sizes > average, 0.0, p)
+                p = p / np.cumsum(p)[-1]  # summed left to right, as flwr's sum() does (not pairwise)
+            cuts = (np.cumsum(p) * pos.size).astype(np.int64)[:-1]
+            for j, chunk in enumerate(np.split(pos, cuts)):
+                parts[j].append(chunk)
+                sizes[j] += chunk.size
+        if sizes.min() >= min_partition_size:
+            return [np.sort(np.concatenate(c)).astype(np.int64) for c in parts]
+    raise UserError(f"partition: dirichlet alpha={alpha} could not give all {k} clients of {where} "
+                    f"min_partition_size={min_partition_size} samples in {max_tries} draws; lower "
+                    "min_partition_size or raise alpha")
+
+
+def shard_partitions(labels, num_partitions: int, *, num_shards_per_partition: int | None = None,
+                     shard_size: int | None = None, keep_incomplete_shard: bool = False,
+                     rng: np.random.Generator, where: str = "the split") -> list[np.ndarray]:
+    """Flower Datasets' ShardPartitioner: the split sorted by label (stably) and cut into shards of
+    ``shard_size`` (default: as many samples as fill ``num_partitions x num_shards_per_partition``
+    shards); a random permutation of the shards deals ``num_shards_per_partition`` to each partition
+    (default: every shard, dealt evenly, the first partitions one more). ``keep_incomplete_shard``
+    counts the short last shard as one that may be dealt."""
+    labels = np.asarray(labels).reshape(-1)
+    n, k = labels.size, num_partitions
+    _check_partitions(k, n, where)
+    per_client, size, keep = num_shards_per_partition, shard_size, bool(keep_incomplete_shard)
+    if per_client is not None:
+        used = k * per_client
+        per = np.full(k, per_client, np.int64)
+        if size is None:
+            size = n // used
+            if size == 0:
+                raise UserError(f"partition: shard: {k} clients x {per_client} shards need at least {used} "
+                                f"train images; {where} has {n}")
+            usable = -(-n // size) if keep else n // size
+        else:
+            if size * used > n:
+                raise UserError(f"partition: shard: {k} clients x {per_client} shards of {size} need {size * used} "
+                                f"train images; {where} has {n}")
+            usable = n // size
+    elif size is None:
+        raise UserError("partition: shard needs num_shards_per_partition, shard_size or both")
+    else:
+        used = usable = -(-n // size) if keep else n // size
+        per = np.full(k, used // k, np.int64)
+        per[:used - k * (used // k)] += 1
+    if usable < k:
+        raise UserError(f"partition: shard: {where}'s {n} train images make {usable} shards of {size}, "
+                        f"fewer than the {k} clients; lower shard_size")
+    dealt = np.split(rng.permutation(usable)[:used], np.cumsum(per)[:-1])
+    _, by_label, _ = _class_runs(labels)
+    out = []
+    for shards in dealt:
+        pieces = [by_label[s * size:min((s + 1) * size, n)] for s in shards.tolist()]
+        out.append(np.sort(np.concatenate(pieces)).astype(np.int64) if pieces else _EMPTY)
+    return out
+
+
+def pathological_partitions(labels, num_partitions: int, *, num_classes_per_partition: int,
+                            class_assignment_mode: str = "random", rng: np.random.Generator,
+                            where: str = "the split") -> list[np.ndarray]:
+    """Flower Datasets' PathologicalPartitioner: each partition is given ``num_classes_per_partition``
+    of the classes present (``random``: drawn without replacement per partition; ``deterministic``:
+    partition j the classes j, j+1, ... mod C; ``first-deterministic``: class j mod C, then draws
+    with replacement until it has enough distinct ones); each class's samples, in their own order,
+    are split evenly (``np.array_split``) between the partitions given it, in partition order. A
+    class given to no partition is left out."""
+    labels = np.asarray(labels).reshape(-1)
+    n, k, m = labels.size, num_partitions, num_classes_per_partition
+    _check_partitions(k, n, where)
+    classes, order, bounds = _class_runs(labels)
+    C = classes.size
+    if not _is_int(m, 1) or m > C:
+        raise UserError(f"partition: num_classes_per_partition={m!r}: expected 1..{C}, the classes in {where}")
+    if class_assignment_mode == "random":
+        chosen = [rng.choice(C, size=m, replace=False).tolist() for _ in range(k)]
+    elif class_assignment_mode == "deterministic":
+        chosen = [[(j + i) % C for i in range(m)] for j in range(k)]
+    elif class_assignment_mode == "first-deterministic":
+        chosen = []
+        for j in range(k):
+            mine = [j % C]
+            while len(mine) < m:
+                c = int(rng.choice(C, size=1)[0])
+                if c not in mine:
+                    mine.append(c)
+            chosen.append(mine)
+    else:
+        raise UserError(f"partition: class_assignment_mode={class_assignment_mode!r}: expected one of "
+                        f"{', '.join(CLASS_ASSIGNMENT_MODES)}")
+    holders = [[] for _ in range(C)]
+    for j, mine in enumerate(chosen):
+        for c in mine:
+            holders[c].append(j)
+    parts = [[] for _ in range(k)]
+    for c in range(C):
+        if not holders[c]:
+            continue
+        pos = order[bounds[c]:bounds[c + 1]]
+        if len(holders[c]) > pos.size:
+            raise UserError(f"partition: pathological: class {classes[c]} of {where} goes to {len(holders[c])} "
+                            f"clients but has {pos.size} train images; lower clients_per_domain or "
+                            "num_classes_per_partition, or use class_assignment_mode: deterministic")
+        for j, chunk in zip(holders[c], np.array_split(pos, len(holders[c]))):
+            parts[j].append(chunk)
+    return [np.sort(np.concatenate(p)).astype(np.int64) if p else _EMPTY for p in parts]
+
+
+def _plan_shard(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
+    counts = _per_domain_counts(spec, doms)
+    _partition_by(spec)
+    per_client = _int(spec, "num_shards_per_partition", 1) if spec.get("num_shards_per_partition") is not None else None
+    size = _int(spec, "shard_size", 1) if spec.get("shard_size") is not None else None
+    if per_client is None and size is None:
+        raise UserError("partition: shard needs num_shards_per_partition, shard_size or both")
+    keep = _bool(spec, "keep_incomplete_shard", False)
+    shared = spec.get("shared_test", shared_default(counts))
+    return _plan_lists(ds, doms, counts, shared, seed, lambda labels, k, d: shard_partitions(
+        labels, k, num_shards_per_partition=per_client, shard_size=size, keep_incomplete_shard=keep,
+        rng=_rng(seed, "partition/shard", d), where=f"domain {d!r}"))
+
+
+def _plan_pathological(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
+    counts = _per_domain_counts(spec, doms)
+    _partition_by(spec)
+    m = _int(spec, "num_classes_per_partition", 1)
+    mode = spec.get("class_assignment_mode", "random")
+    shared = spec.get("shared_test", shared_default(counts))
+
+    def lists_of(labels, k, d):
+        lists = pathological_partitions(labels, k, num_classes_per_partition=m, class_assignment_mode=mode,
+                                        rng=_rng(seed, "partition/pathological", d), where=f"domain {d!r}")
+        held = np.zeros(labels.size, bool)
+        for x in lists:
+            held[x] = True
+        if not held.all():
+            left = np.unique(labels[~held])
+            notes.append(f"pathological partition: classes {left.tolist()} of domain {d!r} go to no client "
+                         f"({int((~held).sum()):,} train samples unused)")
+        return lists
+
+    return _plan_lists(ds, doms, counts, shared, seed, lists_of)
+
+
+def _plan_natural(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
+    """One client per group id of each domain's train split, ascending; its val/test the same
+    group's positions (or, with shared_test, the domain's whole val/test)."""
+    by = spec.get("by", "group")
+    if by != "group":
+        raise UserError(f"partition: natural by={by!r}: only 'group' (the per-sample group ids: a writer, a user) "
+                        "is supported for now")
+    min_samples = _int(spec, "min_samples", 1, 1)
+    kept = {}
+    for d in doms:
+        groups = ds.split(d, "train").groups
+        if groups is None:
+            raise UserError(f"partition: natural needs per-sample group ids (who produced each sample: a writer, "
+                            f"a user), and dataset {ds.name!r} has none (domain {d!r}'s train split)")
+        order = np.argsort(groups, kind="stable")
+        ids, lo = np.unique(groups[order], return_index=True)
+        hi = np.append(lo[1:], groups.size).astype(np.int64)
+        keep = (hi - lo) >= min_samples
+        if not keep.all():
+            n_drop = int((~keep).sum())
+            notes.append(f"natural partition: dropped {n_drop:,} of {ids.size:,} groups "
+                         f"({int((hi - lo)[~keep].sum()):,} training samples) with fewer than {min_samples} "
+                         f"training samples in domain {d!r}")
+        if not keep.any():
+            notes.append(f"natural partition: domain {d!r} has no group with {min_samples} training samples; "
+                         "it has no clients")
+        kept[d] = (order, ids[keep], lo[keep].astype(np.int64), hi[keep])
+    counts = {d: int(v[1].size) for d, v in kept.items()}
+    if not any(counts.values()):
+        raise UserError(f"partition: natural with min_samples={min_samples} leaves no client: no group of "
+                        f"{ds.name!r} has that many training samples")
+    shared = spec.get("shared_test", False)  # even a domain's only client: its own group's val/test
+    plans, first = [], 0
+    for d, (order, ids, lo, hi) in kept.items():
+        k = ids.size
+        if k == 0:
+            continue
+        split_plans = {"train": _Ranges(order, lo, hi)}
+        outside = []
+        for s in ("val", "test"):
+            split = ds.split(d, s)
+            if shared:
+                split_plans[s] = _Full(len(split), k)
+                continue
+            if split.groups is None:
+                raise UserError(f"partition: natural gives each client its own group's {s} samples, but domain "
+                                f"{d!r}'s {s} split of {ds.name!r} has no group ids; set shared_test: true")
+            s_order = np.argsort(split.groups, kind="stable")
+            sorted_ids = split.groups[s_order]
+            plan = _Ranges(s_order, np.searchsorted(sorted_ids, ids, "left").astype(np.int64),
+                           np.searchsorted(sorted_ids, ids, "right").astype(np.int64))
+            split_plans[s] = plan
+            outside.append(len(split) - int(plan.counts().sum()))
+        if any(outside):
+            notes.append(f"natural partition: {outside[0]:,} val and {outside[1]:,} test samples of domain {d!r} "
+                         "belong to no client's group")
+        plans.append(_DomainPlan(d, first, k, split_plans))
+        first += k
+    return plans
+
+
+def _plan_cross_device(ds, spec, doms, seed, shared_default, notes) -> list[_DomainPlan]:
     n = _int(spec, "num_clients", len(doms))
     pools = np.array([len(ds.split(d, "train")) for d in doms], np.int64)
     spread = spec.get("spread", "even")
@@ -484,7 +835,7 @@ def make_partition(ds, spec: dict | None, seed: int) -> Partition:
     unknown = set(spec) - _KEYS[kind]
     if unknown:
         raise UserError(f"partition: unknown key(s) {sorted(unknown)} for kind {kind}; valid: {sorted(_KEYS[kind])}")
-    for key in ("shared_test", "num_clients"):  # null: not given, as in the typed spec (partition_spec)
+    for key in _NULL_IS_UNSET:  # null: not given, as in the typed spec (partition_spec)
         if key in spec and spec[key] is None:
             del spec[key]
     if "shared_test" in spec and not isinstance(spec["shared_test"], bool):
@@ -494,9 +845,11 @@ def make_partition(ds, spec: dict | None, seed: int) -> Partition:
     def shared_default(counts) -> bool:
         return all(int(k) <= 1 for k in dict(counts).values())
 
-    builder = {"per_domain": _plan_per_domain, "dirichlet": _plan_dirichlet, "cross_device": _plan_cross_device}[kind]
-    plans = builder(ds, spec, doms, int(seed), shared_default)
-    return Partition(ds.name, plans, spec, seed)
+    builder = {"per_domain": _plan_per_domain, "dirichlet": _plan_dirichlet, "cross_device": _plan_cross_device,
+               "natural": _plan_natural, "shard": _plan_shard, "pathological": _plan_pathological}[kind]
+    notes: list[str] = []
+    plans = builder(ds, spec, doms, int(seed), shared_default, notes)
+    return Partition(ds.name, plans, spec, seed, notes)
 
 
 def leave_one_domain_out(ds, holdout: str, spec: dict | None = None, seed: int = 0,

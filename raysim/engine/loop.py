@@ -130,6 +130,8 @@ class FederationRun:
             self.buffered = self.info.get("buffered", False)
             if self.info.get("privacy") and not resume:
                 _warn(f"raysim: {self.info['privacy']}")  # the noise a target ε chose, before round 1
+            for note in self.info.get("partition_notes", ()) if not resume else ():
+                _warn(f"raysim: {note}")  # e.g. the groups a natural partition dropped as too small
             self.requests = eval_requests(cfg, eval_clients(cfg, self.n), self.info)
             rnd = self._restore(checkpoint.latest(self.run_dir, cfg, warn=_warn) if resume else None) + 1
             startup = time.perf_counter() - t_start

@@ -103,6 +103,7 @@ class Server:
                 "buffered": self.buffered is not None,
                 "privacy": (self.stages.privacy.describe(self.cfg.privacy.target_epsilon, self.cfg.rounds)
                             if self.stages is not None and self.stages.privacy is not None else None),
+                "partition_notes": list(getattr(partition, "notes", ())),  # what the partition dropped
                 "num_train": [partition.num_samples(c, "train") for c in range(min(self.n, 1000))]}
 
     # ------------------------------------------------------------------ round
