@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     show = dsub.add_parser("show", help="table of domains and splits; --grid saves sample images")
     show.add_argument("name", help="a dataset's name, or a loader of your own: module:function (raysim/data/README.md)")
     show.add_argument("options", nargs="*", metavar="key=value", help="the loader's options (data.options), "
-                                                                     "e.g. image_size=16")
+                                                                     "e.g. image_size=16, right after NAME")
     show.add_argument("--root", help="folder of a real dataset")
     show.add_argument("--grid", help="PNG file for a grid of sample images per domain")
     shard = dsub.add_parser("shard", help="write a config's client partition as Parquet shards "

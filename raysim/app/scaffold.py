@@ -269,6 +269,7 @@ so a partition can give each writer a client of their own.
 Look at it:  raysim data show __NAME__:load___NAME__
 Test it:     python -m pytest test___NAME__.py
 Run it:      raysim run configs/quickstart.yaml data.dataset=__NAME__:load___NAME__     (from this folder)
+A client per writer:  ... "data.partition={kind: natural, by: group}"
 The contract: raysim/data/README.md in raysim's repository
 """
 from __future__ import annotations
@@ -419,6 +420,7 @@ def dataset_next_steps(name: str, folder: str) -> str:
     return (f"test it:  {cd}python -m pytest test_{name}.py\n"
             f"look:     {cd}raysim data show {spec}\n"
             f"run it:   {cd}raysim run configs/quickstart.yaml data.dataset={spec}\n"
+            f"          (a client per writer: add \"data.partition={{kind: natural, by: group}}\")\n"
             f"or in a config:  data: {{dataset: \"{spec}\", options: {{image_size: 24}}}}\n"
             "then put your own reading code where NAME.py marks it (raysim/data/README.md: the contract)\n"
             .replace("NAME.py", f"{name}.py"))

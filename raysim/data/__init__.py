@@ -234,5 +234,5 @@ def plugin_sources(names) -> list[str]:
     return out
 
 
-__all__ = ["load", "available", "describe", "options", "LoaderFailed", "Split", "ArraySplit", "FileSplit", "ConcatSplit",
-           "MultiDomainDataset", "SPLITS", "ALL"]
+__all__ = ["load", "available", "describe", "options", "LoaderFailed", "Split", "ArraySplit", "FileSplit",
+           "ConcatSplit", "MultiDomainDataset", "SPLITS", "ALL"]
