@@ -96,7 +96,8 @@ def preflight(cfg, address: str | None = None, own_ray: bool = True) -> Checked:
 
 # the clients of a partition of a generated dataset (no data.root): a function of the dataset's
 # name, seed and options and of the partition alone, so this process counts each once (repeated
-# checks, e.g. a notebook's or a test's runs, read no data again); a dataset on disk may change
+# checks, e.g. a notebook's or a test's runs, read no data again); a dataset on disk may change,
+# and so may a dataset plugin's code
 _GENERATED_COUNTS: dict[tuple, int] = {}
 
 
@@ -132,11 +133,13 @@ def _load(data, seed: int):
 def _num_clients(one, data_key, dataset, counted: dict) -> int:
     """The federation's training clients: its partition built from the sizes of ``dataset()``'s
     splits, or read from the shards' manifest; each distinct (dataset, partition, pooling) once."""
+    from raysim.data import is_builtin
     from raysim.engine.federation import Federation
 
     pooled = Federation(one).pooled  # the method trains on every client's data as one (DeepAll)
     key = (data_key, json.dumps(one.data.partition, sort_keys=True, default=str), pooled, one.data.shards)
-    memo = _GENERATED_COUNTS if data_key is not None and data_key[1] is None else counted
+    generated = data_key is not None and data_key[1] is None and is_builtin(data_key[0])
+    memo = _GENERATED_COUNTS if generated else counted
     if key not in memo:
         memo[key] = Federation(one, dataset=None if data_key is None else dataset()).num_clients
     return memo[key]
