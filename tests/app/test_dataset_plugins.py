@@ -307,3 +307,36 @@ def test_a_plugin_from_outside_the_repository_runs_on_two_hosts_and_in_tune(ray_
     assert len(trials) == 1 and set(trials.stop_reason) == {"completed"} and trials["val_avg_best"].notna().all()
     assert ray_session.get(importable.remote()) is False  # the workers' own sys.path never held it
     assert cluster.shipped_plugins() is None  # nothing left behind for the session's next runs
+
+
+@pytest.mark.slow
+def test_raysim_run_and_tune_ship_a_plugin_in_the_jobs_runtime_env(tmp_path, plugin_dir):
+    """The same, through the commands with a Ray instance of their own (``ray.init`` given the job's
+    runtime_env): the driver alone has the plugin's folder on its sys.path (not its current
+    directory, not PYTHONPATH, which Ray's local workers would inherit)."""
+    import json
+    import os
+    import subprocess
+
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
+    env.pop("RAY_ADDRESS", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "run.yaml").write_text(yaml.safe_dump(RUN))
+    tune = {"name": "dplug-tune", "method": "fedavg", "experiment": {**RUN, "runtime": {"num_hosts": 1}},
+            "trials": 2, "max_concurrent": 2, "scheduler": "none", "sampler": {"kind": "random", "seed": 0},
+            "space": {"train.lr": {"loguniform": [0.01, 0.1]}}}
+    (work / "tune.yaml").write_text(yaml.safe_dump(tune))
+    driver = "import sys; sys.path.insert(0, sys.argv[1]); from raysim.cli import main; sys.exit(main(sys.argv[2:]))"
+    for argv in (["run", "run.yaml", "--out", "run", "--quiet"], ["tune", "tune.yaml", "--out", "search"]):
+        r = subprocess.run([sys.executable, "-P", "-c", driver, str(plugin_dir), *argv], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads((work / "run" / "hosts.json").read_text())["num_hosts"] == 2
+    metrics = pd.read_parquet(work / "run" / "metrics.parquet")
+    assert {"low", "high", "AVG"} <= set(metrics.domain)
+    trials = pd.read_parquet(work / "search" / "trials.parquet")
+    assert len(trials) == 2 and set(trials.stop_reason) == {"completed"}, trials.to_string()
