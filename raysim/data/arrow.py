@@ -420,6 +420,13 @@ def _values(table, column: str, path: Path, role: str, offset: int = 0) -> np.nd
     raise UserError(f"parquet: column {column!r} ({role}) of {path} holds {col.type}; expected integers or strings")
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """Per-file values as one array; names (str) throughout if some files hold integers and some strings."""
+    if len({a.dtype.kind for a in parts if a.size}) > 1:
+        parts = [a.astype(str).astype(object) for a in parts]
+    return np.concatenate(parts)
+
+
 def encode(values: np.ndarray) -> tuple[np.ndarray, list[str]]:
     """(ids 0..n-1, names): distinct values in sorted order (numeric when every name is an integer)."""
     uniq, inverse = np.unique(values, return_inverse=True)
@@ -482,7 +489,7 @@ def load_parquet(root, seed: int = 0, preset: str = "default", image_size: int |
         if cols["group"] is not None:
             groups.append(_values(table, cols["group"], p, "group"))
         if cols["domain"] is not None:
-            domains.append(_values(table, cols["domain"], p, "domain").astype(str).astype(object))
+            domains.append(_values(table, cols["domain"], p, "domain"))
         bounds.append(b)
         file_rows.append(table.num_rows)
     n = int(sum(file_rows))
@@ -507,21 +514,24 @@ def load_parquet(root, seed: int = 0, preset: str = "default", image_size: int |
         named = _class_names_from_metadata(first, paths[0].parent, cols["label"])
         top = int(y.max()) + 1 if y.size else 0
         classes = named if named is not None and len(named) >= top else [str(c) for c in range(top)]
-    g, group_names = (encode(np.concatenate(groups)) if groups else (None, None))
-    dom = np.concatenate(domains) if domains else np.full(n, root.stem if root.is_file() else root.name, object)
-    split_col = np.repeat(np.array([s or "" for s in split_of_file], dtype=object), file_rows)
+    g, group_names = (encode(_joined(groups)) if groups else (None, None))
+    if domains:
+        dom, domain_names = encode(_joined(domains))
+    else:
+        dom, domain_names = np.zeros(n, np.int64), [root.stem if root.is_file() else root.name]
+    split_col = np.repeat(np.array([SPLITS.index(s) if s else -1 for s in split_of_file], np.int8), file_rows)
 
     files = ArrowFiles([str(p) for p in paths], kinds, bounds, cols["image"], image_kind)
     official = set(by_split) - {None}
     if official and "train" not in official:
         raise UserError(f"parquet: {root} has splits {', '.join(sorted(official))} but no train split")
     splits = {}
-    for d in sorted(set(dom.tolist())):
-        in_d = dom == d
+    for code, d in enumerate(domain_names):
+        in_d = dom == code
         parts = {}
         if official:
             for s in official:
-                parts[s] = np.flatnonzero(in_d & (split_col == s))
+                parts[s] = np.flatnonzero(in_d & (split_col == SPLITS.index(s)))
             missing = [s for s in ("val", "test") if s not in official]
             if missing:  # carve what the release lacks out of its train split
                 tr = parts["train"]

@@ -5,7 +5,7 @@ order; other columns are ignored). ``path`` is relative to the manifest's folder
 absolute; ``label`` is a class name; ``group`` names who produced the sample (a writer, a
 user, a speaker); ``domain`` names its domain (without the column: one domain named after the
 manifest's file stem). Names become ids in sorted order (numeric order when every name is an
-integer), groups once across the whole dataset, so ``ds.group_names[id]`` is the group's name.
+integer; domains are ordered the same way), groups once across the whole dataset, so ``ds.group_names[id]`` is the group's name.
 
 No split column: a seeded carve per domain, by class (``split_by='class'``, the default) or
 within each group (``split_by='group'``: a group's val/test samples are its own).
@@ -126,7 +126,7 @@ def load_manifest(root, seed: int = 0, preset: str = "default", image_size: int 
     paths = np.array(rows["path"], dtype=object)
     lines = np.array(rows["line"], dtype=np.int64)
     splits = {}
-    for d in sorted(set(domain_of)):
+    for d in name_ids(domain_of):  # sorted (numerically where every name is an integer)
         mine = np.flatnonzero(domain_of == d)
         parts = carve_positions(labels[mine], None if groups is None else groups[mine], split_by,
                                 opts["val_fraction"], opts["test_fraction"], split_rng(seed, "manifest", d))
