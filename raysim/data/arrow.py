@@ -38,6 +38,7 @@ import io
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,7 @@ class ArrowFiles:
         self._open: dict[int, object] = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cached_bytes = 0
+        self._lock = threading.Lock()  # a host may cut batches for several clients at once
 
     @property
     def total_chunks(self) -> int:
@@ -110,6 +112,10 @@ class ArrowFiles:
 
     def chunk(self, file: int, chunk: int):
         """(the image column of that chunk, whether it was read now rather than found cached)."""
+        with self._lock:
+            return self._chunk(file, chunk)
+
+    def _chunk(self, file: int, chunk: int):
         key = (file, chunk)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -131,7 +137,12 @@ class ArrowFiles:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_open"], state["_cache"], state["_cached_bytes"] = {}, collections.OrderedDict(), 0
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
 
 class ArrowSplit(Split):
@@ -180,7 +191,7 @@ class ArrowSplit(Split):
                 a = np.asarray(im, dtype=np.uint8)
         except FileNotFoundError:
             raise UserError(f"parquet: {where} names image file {source}, which does not exist") from None
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise UserError(f"parquet: the image in {where} cannot be decoded: {e}") from None
         self.rows_decoded += 1
         return a

@@ -180,3 +180,25 @@ def test_bad_files_give_one_line_naming_file_row_and_column(tmp_path):
         sp.images([1])
     with pytest.raises(UserError, match="holds no .parquet or .arrow files"):
         load("parquet", root=tmp_path / "pics")
+
+
+def test_a_ray_worker_reads_its_client_from_the_shipped_split(ray_session, tmp_path):
+    """The split goes to a Ray worker as paths and indices; the worker opens the file itself and reads
+    only the row groups of its client."""
+    import ray
+
+    pq.write_table(pa.table(_rows()), tmp_path / "users.parquet", row_group_size=4)
+    train = load("parquet", root=tmp_path, image_size=8, normalize="none", split_by="group").split(
+        tmp_path.name, "train")
+    mine = np.flatnonzero(train.groups == 7)
+
+    @ray.remote(num_cpus=0.1)
+    def read(split, positions):
+        x, y = split.tensors(positions)
+        return x[:, 0, 0, 0].tolist(), y.tolist(), dict(split.chunk_reads), split.rows_decoded
+
+    grey, labels, reads, decoded = ray.get(read.remote(train, mine))
+    rows = train.file_row[mine]
+    assert [round(v * 255) for v in grey] == [4 * r for r in rows] and labels == [r % 3 for r in rows]
+    assert set(reads) == {(0, int(r) // 4) for r in rows} and decoded == len(mine)
+    assert not train.chunk_reads  # the driver read nothing
