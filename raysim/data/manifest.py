@@ -5,7 +5,8 @@ order; other columns are ignored). ``path`` is relative to the manifest's folder
 absolute; ``label`` is a class name; ``group`` names who produced the sample (a writer, a
 user, a speaker); ``domain`` names its domain (without the column: one domain named after the
 manifest's file stem). Names become ids in sorted order (numeric order when every name is an
-integer; domains are ordered the same way), groups once across the whole dataset, so ``ds.group_names[id]`` is the group's name.
+integer; domains are ordered the same way), groups once across the whole dataset, so
+``ds.group_names[id]`` is the group's name.
 
 No split column: a seeded carve per domain, by class (``split_by='class'``, the default) or
 within each group (``split_by='group'``: a group's val/test samples are its own).
