@@ -38,6 +38,9 @@ _REGISTRY = {
                   "DomainNet with official *_train/_test.txt (10-class subset by default)"),
     "camelyon17": ("raysim.data.camelyon17", "load_camelyon17", "Camelyon17-WILDS v1.0, one domain per hospital"),
     "imagefolder": ("raysim.data.folders", "load_imagefolder", "any ROOT/<domain>/<class>/<image> tree"),
+    "manifest": ("raysim.data.manifest", "load_manifest", "a CSV manifest path,label[,group][,domain]"),
+    "parquet": ("raysim.data.arrow", "load_parquet",
+                "a folder of Parquet or Arrow files, or a Hugging Face save_to_disk folder (read lazily)"),
 }
 
 

@@ -12,13 +12,18 @@ Where a release has no official split, a fixed, seeded, stratified one is carved
 (``stratified_carve``), seeded by the ``seed`` given to ``load``.
 
 Layouts handled in this module (see references/data.md section 5):
-``imagefolder`` ROOT/<domain>/<class>/<image>; ``vlcs`` (DomainBed); ``office_home``;
-``office_caltech10`` (folders, or FedBN's ``{site}_train.pkl``/``{site}_test.pkl``).
+``imagefolder`` ROOT/<domain>/<class>/<image> (or, with ``layout='domain/group/class'``,
+ROOT/<domain>/<group>/<class>/<image>: one folder per writer/user); ``vlcs`` (DomainBed);
+``office_home``; ``office_caltech10`` (folders, or FedBN's ``{site}_train.pkl``/``{site}_test.pkl``).
+
+Loaders of data with groups (a writer, a user per sample) take ``split_by``: 'class' (the
+stratified carve) or 'group' (``group_carve``: each group's val/test samples are its own).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -27,8 +32,8 @@ import numpy as np
 
 from raysim.data.augment import make_augment
 from raysim.data.pickled import load_arrays
-from raysim.data.splits import (ALL, SPLITS, FileSplit, MultiDomainDataset, resolve_normalization,
-                                stratified_carve)
+from raysim.data.splits import (ALL, SPLITS, FileSplit, MultiDomainDataset, group_carve,
+                                resolve_normalization, stratified_carve)
 from raysim.core.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -127,21 +132,65 @@ def check_files(items: list[tuple[str, int]], missing: str, listed_in: str) -> l
     return kept
 
 
-def carve(items: list[tuple[str, int]], val_fraction: float, test_fraction: float,
-          rng: np.random.Generator) -> dict[str, list[tuple[str, int]]]:
-    labels = np.array([lab for _, lab in items], dtype=np.int64)
-    parts = stratified_carve(labels, val_fraction, test_fraction, rng)
+SPLIT_BY = ("class", "group")
+
+
+def check_split_by(name: str, split_by: str, has_groups: bool, no_groups_why: str = "") -> str:
+    """``split_by`` validated: 'class' always; 'group' only for data that has groups."""
+    if split_by not in SPLIT_BY:
+        raise UserError(f"{name}: split_by={split_by!r}: expected 'class' (stratified carve) or 'group' "
+                        "(carve within each group)")
+    if split_by == "group" and not has_groups:
+        raise UserError(f"{name}: split_by='group' needs a group per sample, and this data has none"
+                        + (f" ({no_groups_why})" if no_groups_why else ""))
+    return split_by
+
+
+def carve_positions(labels: np.ndarray, groups: np.ndarray | None, split_by: str, val_fraction: float,
+                    test_fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded train/val/test positions: per class (``stratified_carve``) or per group (``group_carve``)."""
+    if split_by == "group":
+        return group_carve(groups, val_fraction, test_fraction, rng)
+    return stratified_carve(labels, val_fraction, test_fraction, rng)
+
+
+def name_ids(values: Iterable) -> dict[str, int]:
+    """Distinct names -> ids 0..n-1 in sorted order; numeric order when every name is an integer
+    (so writer '10' comes after writer '9', and class '2' keeps id 2 among 0..9)."""
+    names = {str(v) for v in values}
+    if all(re.fullmatch(r"-?[0-9]+", n) for n in names):
+        ordered = sorted(names, key=lambda n: (int(n), n))
+    else:
+        ordered = sorted(names)
+    return {n: i for i, n in enumerate(ordered)}
+
+
+def carve(items: list[tuple], val_fraction: float, test_fraction: float,
+          rng: np.random.Generator, split_by: str = "class") -> dict[str, list[tuple]]:
+    """(path, label[, group]) items -> {split: items}; ``split_by='group'`` carves within groups."""
+    labels = np.array([it[1] for it in items], dtype=np.int64)
+    groups = np.array([it[2] for it in items], dtype=np.int64) if split_by == "group" else None
+    parts = carve_positions(labels, groups, split_by, val_fraction, test_fraction, rng)
     return {s: [items[i] for i in idx] for s, idx in zip(SPLITS, parts)}
 
 
-def build(name: str, per_domain: dict[str, dict[str, list[tuple[str, int]]]], classes: Sequence[str],
-          opts: dict, info: dict) -> MultiDomainDataset:
-    """(path, label) lists per domain and split -> a dataset of FileSplits."""
+def preprocessing(name: str, opts: dict):
+    """(image size, mean, std, train-time augmentation) from a loader's resolved options."""
     mean, std = resolve_normalization(opts["normalize"])
     aug = make_augment(opts["augment"])
     size = int(opts["image_size"])
     if not 8 <= size <= 1024:
         raise UserError(f"{name}: image_size={size}: expected 8..1024")
+    return size, mean, std, aug
+
+
+def build(name: str, per_domain: dict[str, dict[str, list[tuple]]], classes: Sequence[str],
+          opts: dict, info: dict, group_names: Sequence[str] | None = None) -> MultiDomainDataset:
+    """(path, label) lists per domain and split -> a dataset of FileSplits.
+
+    With ``group_names`` the items are (path, label, group id) and every split carries groups.
+    """
+    size, mean, std, aug = preprocessing(name, opts)
     cache_images = bool(opts.get("cache_images", False))
     splits = {}
     for d, parts in per_domain.items():
@@ -152,13 +201,16 @@ def build(name: str, per_domain: dict[str, dict[str, list[tuple[str, int]]]], cl
                                     if not (it[0] in seen or seen.add(it[0]))]}
         for s in list(SPLITS) + [ALL]:
             items = parts.get(s, [])
-            splits[d][s] = FileSplit([p for p, _ in items], [lab for _, lab in items], size, mean, std,
-                                     aug, cache_images=cache_images)
+            groups = None if group_names is None else np.array([it[2] for it in items], dtype=np.int64)
+            splits[d][s] = FileSplit([it[0] for it in items], [it[1] for it in items], size, mean, std,
+                                     aug, cache_images=cache_images, groups=groups)
         if not len(splits[d]["train"]) + len(splits[d]["val"]) + len(splits[d]["test"]):
             raise UserError(f"{name}: domain {d!r} has no images")
     keep = ("preset", "image_size", "normalize", "augment", "split", "val_fraction", "test_fraction")
     info = {**{k: opts[k] for k in keep if k in opts}, **info}
-    return MultiDomainDataset(name, splits, classes, info)
+    if group_names is None:
+        return MultiDomainDataset(name, splits, classes, info)
+    return MultiDomainDataset(name, splits, classes, info, group_names=group_names)
 
 
 def scan_class_folders(domain_dir: Path, domain: str, classes: list[str] | None,
@@ -209,20 +261,59 @@ def _folder_dataset(name: str, root: Path, domain_dirs: dict[str, Path], classes
     return build(name, per_domain, classes, opts, {"root": str(root), **info})
 
 
+IMAGEFOLDER_LAYOUTS = ("domain/class", "domain/group/class")
+
+
+def _grouped_folder_dataset(name: str, root: Path, domain_dirs: dict[str, Path], classes: list[str] | None,
+                            class_map: dict | None, seed: int, opts: dict, split_by: str):
+    """<domain>/<group>/<class>/<image>: the group folder names become group ids, one id per
+    name across the whole dataset (sorted, numerically when every name is an integer)."""
+    scanned = {}
+    for d, p in domain_dirs.items():
+        groups = sorted(e.name for e in os.scandir(p) if e.is_dir() and not e.name.startswith("."))
+        scanned[d] = [(path, c, g) for g in groups
+                      for path, c in scan_class_folders(p / g, d, classes, class_map, False)]
+        if not scanned[d]:
+            raise UserError(f"{name}: no images found under {p} (layout domain/group/class expects "
+                            "<group>/<class>/<image> files)")
+    if classes is None:
+        classes = sorted({c for items in scanned.values() for _, c, _ in items})
+    index = {c: i for i, c in enumerate(classes)}
+    group_ids = name_ids(g for items in scanned.values() for _, _, g in items)
+    per_domain = {}
+    for d, items in scanned.items():
+        labelled = [(p, index[c], group_ids[g]) for p, c, g in items]
+        per_domain[d] = carve(labelled, opts["val_fraction"], opts["test_fraction"], split_rng(seed, name, d),
+                              split_by)
+    opts = {**opts, "split": "carve"}
+    info = {"root": str(root), "layout": "domain/group/class", "split_by": split_by, "groups": len(group_ids)}
+    return build(name, per_domain, classes, opts, info, group_names=list(group_ids))
+
+
 def load_imagefolder(root, seed: int = 0, domains: Sequence[str] | None = None,
                      classes: Sequence[str] | None = None, class_map: dict | None = None,
                      preset: str = "default", image_size: int | None = None, normalize=None, augment=None,
                      val_fraction: float | None = None, test_fraction: float | None = None,
-                     cache_images: bool = False) -> MultiDomainDataset:
+                     cache_images: bool = False, layout: str = "domain/class",
+                     split_by: str = "class") -> MultiDomainDataset:
     """ROOT/<domain>/<class>/<image>: any multi-domain image folder.
 
     Domains are the sub-folders of ROOT (or ``domains``); classes are the sorted union of
     class folder names (or ``classes``, which then selects a subset); ``class_map`` renames
     folders per domain ({domain: {folder: class}}). No official split: a seeded, stratified
     train/val/test carve (default 70/10/20).
+
+    ``layout='domain/group/class'`` reads ROOT/<domain>/<group>/<class>/<image>, one folder per
+    writer or user: every split carries the group ids (names in ``ds.group_names``), and
+    ``split_by='group'`` carves each group's own val/test samples instead of per class.
     """
     if root is None:
         raise UserError("imagefolder needs root=DIR holding <domain>/<class>/<image> folders")
+    if layout not in IMAGEFOLDER_LAYOUTS:
+        raise UserError(f"imagefolder: layout={layout!r}: expected one of {', '.join(IMAGEFOLDER_LAYOUTS)}")
+    grouped = layout == "domain/group/class"
+    check_split_by("imagefolder", split_by, grouped,
+                   "layout domain/class has no group folders; use layout='domain/group/class'")
     root = require_dir(root, "imagefolder")
     opts = resolve_options("imagefolder", GENERIC_PRESETS, preset, dict(
         image_size=image_size, normalize=normalize, augment=augment, val_fraction=val_fraction,
@@ -234,9 +325,13 @@ def load_imagefolder(root, seed: int = 0, domains: Sequence[str] | None = None,
         if d not in found:
             raise UserError(f"imagefolder: domain folder {root / d} does not exist; found: {', '.join(found) or 'none'}")
     if not domains:
-        raise UserError(f"imagefolder: {root} has no domain folders (expected <domain>/<class>/<image>)")
-    return _folder_dataset("imagefolder", root, {d: root / d for d in domains},
-                           list(classes) if classes is not None else None, class_map, False, seed, opts, {})
+        raise UserError(f"imagefolder: {root} has no domain folders (expected <domain>/"
+                        f"{'<group>/' if grouped else ''}<class>/<image>)")
+    cls = list(classes) if classes is not None else None
+    if grouped:
+        return _grouped_folder_dataset("imagefolder", root, {d: root / d for d in domains}, cls, class_map, seed,
+                                       opts, split_by)
+    return _folder_dataset("imagefolder", root, {d: root / d for d in domains}, cls, class_map, False, seed, opts, {})
 
 
 # ------------------------------------------------------------------ VLCS (DomainBed layout)

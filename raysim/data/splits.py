@@ -291,11 +291,14 @@ class MultiDomainDataset:
     """Named domains, each with ``train``/``val``/``test`` splits (and ``all``).
 
     ``info`` records how the data was made (preset, normalisation, augmentation, split
-    protocol) so runs can log it.
+    protocol) so runs can log it. ``group_names`` (data with groups): the name of each group
+    id the splits' ``groups`` hold, ids being unique across the dataset.
     """
 
+    group_names: tuple[str, ...] | None = None
+
     def __init__(self, name: str, splits: dict[str, dict[str, Split]], classes: Sequence[str],
-                 info: dict | None = None):
+                 info: dict | None = None, group_names: Sequence[str] | None = None):
         self.name = name
         self.domains = tuple(splits)
         if not self.domains:
@@ -310,6 +313,8 @@ class MultiDomainDataset:
         first = next(iter(splits.values()))["train"]
         self.image_shape = tuple(first.image_shape)
         self.info = dict(info or {})
+        if group_names is not None:
+            self.group_names = tuple(map(str, group_names))
 
     def split(self, domain: str, split: str) -> Split:
         if domain not in self._splits:
