@@ -32,6 +32,8 @@ _REGISTRY = {
                   "DomainNet with official *_train/_test.txt (10-class subset by default)"),
     "camelyon17": ("raysim.data.camelyon17", "load_camelyon17", "Camelyon17-WILDS v1.0, one domain per hospital"),
     "imagefolder": ("raysim.data.folders", "load_imagefolder", "any ROOT/<domain>/<class>/<image> tree"),
+    "writers": ("raysim.data.writers", "load_writers",
+                "generated FEMNIST-like handwriting: 36 classes by 3 x 800 writers, groups = writer (no root)"),
 }
 
 
