@@ -36,9 +36,10 @@ Domains are writing instruments / capture devices (same classes, different look)
 Rendering is fast because no sample is rasterised: each (font, character) becomes a distance
 field once (exact distance to a Hershey glyph's strokes; the signed distance to an outline
 glyph's edge), and every sample is one bilinear lookup per pixel through its own affine map and
-warp, with the pen width and edge softness applied as a threshold on the distance. All of it is
-numpy element-wise arithmetic from numpy Generators (no threads, no BLAS reductions), so a seed
-gives the same bytes on every machine with the same package versions.
+warp, with the pen width and edge softness applied as a threshold on the distance. The pixels
+are numpy element-wise float32 arithmetic on draws from numpy Generators (no threads, no BLAS, no
+SIMD transcendentals: cos/sin/exp come from Python's math), so a seed gives the same bytes on
+every machine with the same package versions.
 
 Splits: each writer's samples are carved 70% train / 10% val / 20% test (``group_carve``), so a
 writer's test samples are its own and every domain-level split holds every writer. LEAF
@@ -50,6 +51,7 @@ would be 2-3 images. The result is cached as one .npz keyed by recipe version, s
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -79,7 +81,7 @@ ASPECT_STD = 0.1         # writer width factor exp(N(0, 0.1))
 TILT_STD = 3.0           # degrees: writer N(0, 3), and each sample N(0, 3) more
 WOBBLE = (0.01, 0.035)   # elastic warp amplitude (frame half-widths), per writer U[lo, hi)
 SHIFT_STD = 0.04         # sample centre jitter (frame half-widths), clipped to 2 std
-# each sample: size x exp(N(0, 0.05)), slant + N(0, 0.05), pen x exp(N(0, 0.08))
+# each sample: size x (1 + N(0, 0.05)), slant + N(0, 0.05), pen x (1 + N(0, 0.08)), factors clipped to 3 std
 SAMPLE_SIZE_STD, SAMPLE_SLANT_STD, SAMPLE_PEN_STD = 0.05, 0.05, 0.08
 WARP_GRID = 4            # elastic warp: N(0, 1) offsets on a 4x4 grid, bilinear over the frame
 
@@ -199,17 +201,22 @@ def writer_fonts() -> tuple:
 # ---------------------------------------------------------------- writers and their samples
 
 
+def _factor(rng: np.random.Generator, std: float, n: int) -> np.ndarray:
+    """n multiplicative jitters 1 + N(0, std), clipped to 3 std (no exp: see _render's cos)."""
+    return 1 + np.clip(rng.normal(0, std, n), -3 * std, 3 * std)
+
+
 def _writer(rng: np.random.Generator, look: Instrument, n_stroke: int, n_outline: int,
             samples_mean: float, label_alpha: float, image_size: int) -> dict:
     """One writer's style, then every random draw of its samples (a fixed order of draws)."""
     stroke = bool(rng.random() < STROKE_SHARE)
     font = int(rng.integers(0, n_stroke)) if stroke else n_stroke + int(rng.integers(0, n_outline))
     probs = rng.dirichlet(np.full(len(CLASSES), label_alpha))
-    mu = np.log(samples_mean) - SAMPLES_SIGMA ** 2 / 2
+    mu = math.log(samples_mean) - SAMPLES_SIGMA ** 2 / 2
     n = int(np.clip(round(float(rng.lognormal(mu, SAMPLES_SIGMA))), MIN_SAMPLES,
                     max(MIN_SAMPLES, MAX_SAMPLES_FACTOR * samples_mean)))
     size = rng.uniform(*SIZE)
-    aspect = np.exp(rng.normal(0, ASPECT_STD))
+    aspect = math.exp(rng.normal(0, ASPECT_STD))
     slant = np.clip(rng.normal(SLANT[0], SLANT[1]), SLANT[2], SLANT[3])
     tilt = rng.normal(0, TILT_STD)
     wobble = rng.uniform(*WOBBLE)
@@ -225,15 +232,15 @@ def _writer(rng: np.random.Generator, look: Instrument, n_stroke: int, n_outline
     out = {
         "labels": labels.astype(np.int64),
         "glyph": font * len(CLASSES) + labels,
-        "size": size * np.exp(rng.normal(0, SAMPLE_SIZE_STD, n)),
+        "size": size * _factor(rng, SAMPLE_SIZE_STD, n),
         "aspect": np.full(n, aspect),
         "slant": slant + rng.normal(0, SAMPLE_SLANT_STD, n),
-        "tilt": np.deg2rad(tilt + rng.normal(0, TILT_STD, n)),
+        "tilt": np.radians(tilt + rng.normal(0, TILT_STD, n)),
         "shift": np.clip(rng.normal(0, SHIFT_STD, (n, 2)), -2 * SHIFT_STD, 2 * SHIFT_STD),
         "warp": wobble * rng.standard_normal((n, 2, WARP_GRID, WARP_GRID)),
         # stroke fonts: half the pen is the ink's reach from the centreline; outline fonts: the
         # pen above an average one makes the glyph bolder by the difference
-        "reach": (pen * s / 2 if stroke else (pen - 0.05) * s / 2) * np.exp(rng.normal(0, SAMPLE_PEN_STD, n)),
+        "reach": (pen * s / 2 if stroke else (pen - 0.05) * s / 2) * _factor(rng, SAMPLE_PEN_STD, n),
         "softness": np.full(n, softness),
         "opacity": np.full(n, pressure),
         "ink": np.broadcast_to(np.clip(ink, 0, 255), (n, 3)),
@@ -272,7 +279,9 @@ def _render(p: dict, fields: np.ndarray, image_size: int, channels: int) -> np.n
 
     # output -> field: undo the tilt, the slant and the aspect, then the size (2x2 per sample)
     col = lambda a: f32(a)[:, None, None]
-    c, sn = col(np.cos(p["tilt"])), col(np.sin(p["tilt"]))
+    # math's scalar cos/sin, not numpy's: numpy may pick a SIMD kernel per CPU whose last bit differs
+    c = col([math.cos(t) for t in p["tilt"]])
+    sn = col([math.sin(t) for t in p["tilt"]])
     zoom = 1.0 / (p["size"] * (1 + 2 * FIELD_MARGIN))
     xr, yr = c * x + sn * y, c * y - sn * x
     half = np.float32(res / 2)
@@ -313,21 +322,26 @@ CHUNK = 2048  # samples rendered per batch (bounds memory: ~30 float arrays of C
 
 
 def _domain(k: int, seed: int, num_writers: int, samples_mean: float, image_size: int, channels: int,
-            label_alpha: float, fonts: tuple, fields: np.ndarray):
+            label_alpha: float, fonts: tuple):
     look = INSTRUMENTS[DOMAINS[k]]
-    n_stroke, n_outline = len(fonts[0]), len(fonts[1])
+    stroke, outline = fonts
+    pool = stroke + outline
+    res = field_resolution(image_size)
     xs, ys, gs, batch = [], [], [], []
 
     def flush():
         if batch:
             p = {key: np.concatenate([b[key] for b in batch]) for key in batch[0]}
+            # the fields of this batch's (font, class) pairs only: a small instance builds few
+            used, p["glyph"] = np.unique(p["glyph"], return_inverse=True)
+            fields = np.stack([glyph_field(pool[g // len(CLASSES)], CLASSES[g % len(CLASSES)], res) for g in used])
             xs.append(_render(p, fields, image_size, channels))
             ys.append(p["labels"])
             batch.clear()
 
     pending = 0
     for w in range(num_writers):
-        b = _writer(_rng(seed, k, w), look, n_stroke, n_outline, samples_mean, label_alpha, image_size)
+        b = _writer(_rng(seed, k, w), look, len(stroke), len(outline), samples_mean, label_alpha, image_size)
         gs.append(np.full(b["labels"].shape[0], k * num_writers + w, np.int64))
         batch.append(b)
         pending += b["labels"].shape[0]
@@ -338,26 +352,31 @@ def _domain(k: int, seed: int, num_writers: int, samples_mean: float, image_size
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(gs)
 
 
-def _fields(image_size: int) -> tuple[tuple, np.ndarray]:
-    """The font pool and one field per (font, class): (fonts * classes, R, R), font-major."""
-    stroke, outline = writer_fonts()
-    res = field_resolution(image_size)
-    table = np.stack([glyph_field(f, ch, res) for f in stroke + outline for ch in CLASSES])
-    return (stroke, outline), table
-
-
 def generate(seed: int = 0, num_writers: int = 800, samples_mean: float = 25, image_size: int = 28,
              channels: int = 1, label_alpha: float = 0.5) -> dict[str, np.ndarray]:
     """Every domain, carved per writer: {'<domain>__<split>__x': uint8 (N,C,S,S), '__y', '__g'}."""
-    fonts, fields = _fields(image_size)
+    fonts = writer_fonts()
     out = {}
     for k, d in enumerate(DOMAINS):
-        x, y, g = _domain(k, seed, num_writers, samples_mean, image_size, channels, label_alpha, fonts, fields)
+        x, y, g = _domain(k, seed, num_writers, samples_mean, image_size, channels, label_alpha, fonts)
         parts = group_carve(g, VAL_FRACTION, TEST_FRACTION, _rng(seed, k, _CARVE))
         for s, idx in zip(SPLITS, parts):
             out[f"{d}__{s}__x"] = x[idx]
             out[f"{d}__{s}__y"] = y[idx]
             out[f"{d}__{s}__g"] = g[idx]
+    return out
+
+
+def source_versions() -> dict[str, str]:
+    """Versions of the packages whose fonts and arithmetic shape the bytes (log them with a run)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("pillow", "matplotlib", "hershey-fonts", "numpy", "scipy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "absent"
     return out
 
 
@@ -415,7 +434,7 @@ def load_writers(root=None, seed: int = 0, num_writers: int = 800, samples_mean:
         for d in DOMAINS
     }
     info = {"recipe": f"writers-{RECIPE}", "seed": seed, "source": source, "seconds": round(seconds, 3),
-            "cache_path": str(path) if cache else None, "normalize": normalize, "augment": augment,
+            "versions": source_versions(), "cache_path": str(path) if cache else None, "normalize": normalize, "augment": augment,
             "groups": f"writer id ({num_writers} writers per domain, ids unique across domains)",
             "splits": f"per writer {1 - VAL_FRACTION - TEST_FRACTION:.0%}/{VAL_FRACTION:.0%}/{TEST_FRACTION:.0%} "
                       "train/val/test (group_carve)"}
