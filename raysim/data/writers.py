@@ -45,7 +45,8 @@ Splits: each writer's samples are carved 70% train / 10% val / 20% test (``group
 writer's test samples are its own and every domain-level split holds every writer. LEAF
 carves 90/10 train/test per writer; raysim keeps 70/10/20 for every dataset (digits5's
 protocol) because model selection needs a val split and at ~25 samples a writer a 10% test share
-would be 2-3 images. The result is cached as one .npz keyed by recipe version, seed and options.
+would be 2-3 images. The result is cached as one .npz keyed by recipe version, seed and options
+(defaults: 46 MB; measured on one core of a 2-core VM: first generation ~8 s, a cached load 0.1 s).
 """
 
 from __future__ import annotations
