@@ -41,6 +41,8 @@ _REGISTRY = {
     "manifest": ("raysim.data.manifest", "load_manifest", "a CSV manifest path,label[,group][,domain]"),
     "parquet": ("raysim.data.arrow", "load_parquet",
                 "a folder of Parquet or Arrow files, or a Hugging Face save_to_disk folder (read lazily)"),
+    "writers": ("raysim.data.writers", "load_writers",
+                "generated FEMNIST-like handwriting: 36 classes by 3 x 800 writers, groups = writer (no root)"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Digit glyphs from fonts that ship with the Python dependencies only.
+"""Digit (and capital letter) glyphs from fonts that ship with the Python dependencies only.
 
 System fonts differ between machines; these do not, so a seed gives the same renders on
 a laptop and on every cluster node (for the same package versions):
@@ -10,7 +10,10 @@ a laptop and on every cluster node (for the same package versions):
   width, which gives hand-drawn/engraved styles none of the outline fonts have.
 
 Every candidate must draw ten non-empty, pairwise different digits, which rejects fonts
-that map digits to a fallback box.
+that map digits to a fallback box. ``character_font_pool(chars)`` applies the same test to any
+characters (the ``writers`` dataset draws digits and A-Z); its stroke fonts are only the Hershey
+families whose letter slots hold Latin capitals (``LATIN_HERSHEY``): the Cyrillic, Greek and
+Gothic fonts draw their own alphabets or blackletter there, which no one writes by hand.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from raysim.data.sources import package_file
 EXCLUDED_TTF_PREFIXES = ("cmex10", "cmsy10", "LastResortHE", "STIXSiz", "STIXNonUni")
 EXCLUDED_HERSHEY = ("japanese", "markers", "symbolic")
 DIGITS = "0123456789"
+UPPERCASE = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Hershey families whose A-Z slots draw Latin capitals (checked by eye against a rendered sheet)
+LATIN_HERSHEY = ("cursive", "futural", "futuram", "rowmand", "rowmans", "rowmant", "scriptc", "scripts",
+                 "timesi", "timesib", "timesr", "timesrb")
 
 
 def _crop(mask: np.ndarray) -> np.ndarray:
@@ -99,10 +106,11 @@ class StrokeFont:
         return _crop(np.asarray(im))
 
 
-def _digits_ok(font) -> bool:
+def _digits_ok(font, chars: str = DIGITS) -> bool:
+    """``font`` draws every one of ``chars``, non-empty and pairwise different."""
     try:
-        masks = [font.glyph(d, 24) for d in DIGITS]
-    except Exception:  # a font that cannot draw a digit is simply not used
+        masks = [font.glyph(d, 24) for d in chars]
+    except Exception:  # a font that cannot draw a character is simply not used
         return False
     if any(m.size == 0 for m in masks):
         return False
@@ -110,7 +118,9 @@ def _digits_ok(font) -> bool:
     return len(sigs) == len(masks)
 
 
-def _hershey_fonts() -> list[StrokeFont]:
+def _hershey_fonts(chars: str = DIGITS, only: tuple[str, ...] | None = None) -> list[StrokeFont]:
+    """The Hershey fonts (all but EXCLUDED_HERSHEY, or just those named in ``only``) that hold a
+    non-empty glyph for every one of ``chars``, in name order."""
     from HersheyFonts import HersheyFonts
 
     h = HersheyFonts()
@@ -120,14 +130,14 @@ def _hershey_fonts() -> list[StrokeFont]:
         tar = None
     out = []
     for name in sorted(h.default_font_names):
-        if name in EXCLUDED_HERSHEY:
+        if name in EXCLUDED_HERSHEY or (only is not None and name not in only):
             continue
         if tar is not None:
             h.read_from_string_lines(tar.extractfile(name))
         else:
             h.load_default_font(name)
         strokes = {}
-        for d in DIGITS:
+        for d in chars:
             glyphs = list(h.glyphs_for_text(d))
             if not glyphs:
                 break
@@ -138,7 +148,7 @@ def _hershey_fonts() -> list[StrokeFont]:
             if not polys:
                 break
             strokes[d] = polys
-        if len(strokes) == len(DIGITS):
+        if len(strokes) == len(chars):
             out.append(StrokeFont(f"hershey:{name}", strokes))
     return out
 
@@ -166,9 +176,8 @@ def scaled_glyph(font, ch: str, px: int, pen: float = 0.0) -> np.ndarray:
     return m
 
 
-@functools.lru_cache(maxsize=1)
-def font_pool() -> tuple[tuple, tuple]:
-    """(outline fonts, stroke fonts), each in a fixed order, all passing the digit check."""
+def _outline_fonts() -> list[OutlineFont]:
+    """Fresh font objects for matplotlib's TTFs (symbol fonts excluded), then Pillow's default."""
     ttf_dir = package_file("matplotlib", "mpl-data", "fonts", "ttf")
     outline = [
         OutlineFont(f"mpl:{p.stem}", str(p))
@@ -176,6 +185,26 @@ def font_pool() -> tuple[tuple, tuple]:
         if not p.stem.startswith(EXCLUDED_TTF_PREFIXES)
     ]
     outline.append(OutlineFont("pillow:default", None))
+    return outline
+
+
+@functools.lru_cache(maxsize=1)
+def font_pool() -> tuple[tuple, tuple]:
+    """(outline fonts, stroke fonts), each in a fixed order, all passing the digit check."""
+    outline = _outline_fonts()
     outline = [f for f in outline if _digits_ok(f)]
     stroke = [f for f in _hershey_fonts() if _digits_ok(f)]
+    return tuple(outline), tuple(stroke)
+
+
+@functools.lru_cache(maxsize=None)
+def character_font_pool(chars: str = DIGITS + UPPERCASE) -> tuple[tuple, tuple]:
+    """(outline fonts, stroke fonts) that each draw all of ``chars``, in a fixed order.
+
+    New font objects (not font_pool()'s): a stroke font here holds strokes for ``chars``, and
+    digits5's glyph caches, keyed by font object, stay exactly as they were.
+    """
+    outline = _outline_fonts()
+    outline = [f for f in outline if _digits_ok(f, chars)]
+    stroke = [f for f in _hershey_fonts(chars, only=LATIN_HERSHEY) if _digits_ok(f, chars)]
     return tuple(outline), tuple(stroke)

@@ -1,5 +1,11 @@
 """``raysim data show NAME``: what a dataset holds, as text, plus an optional image grid.
 
+A dataset whose splits carry per-sample group ids (``Split.groups``: writers, users) also gets
+LEAF-style statistics of its groups, the clients a natural partition makes: per domain and in
+total, the number of groups, samples per group (mean ± std, min, median, max, over train + val +
+test) and the label skew between groups (mean number of classes a group holds, and the mean
+total-variation distance between a group's label distribution and its domain's).
+
 The grid is drawn with matplotlib's Agg canvas directly (no pyplot, no global backend
 switch), so it works headless and leaves the caller's matplotlib state alone.
 """
@@ -48,6 +54,45 @@ def table(ds) -> str:
             lines.append(f"{d:<16}{s:<7}{len(sp):>9}{f'{present}/{ds.num_classes}':>9}  {h}x{w}")
     lines.append("-" * len(header))
     lines.append(f"{'total':<23}{total:>9}")
+    groups = group_table(ds)
+    return "\n".join(lines) + ("\n\n" + groups if groups else "")
+
+
+def group_stats(groups: np.ndarray, labels: np.ndarray, num_classes: int) -> dict[str, np.ndarray]:
+    """Per group (ascending id): ``samples`` (count), ``classes`` (classes present) and ``tv`` (total
+    variation distance between its label distribution and that of all the samples given)."""
+    ids, inv = np.unique(groups, return_inverse=True)
+    counts = np.bincount(inv * num_classes + labels, minlength=ids.size * num_classes).reshape(ids.size, num_classes)
+    samples = counts.sum(1)
+    overall = counts.sum(0) / max(int(samples.sum()), 1)
+    tv = 0.5 * np.abs(counts / np.maximum(samples, 1)[:, None] - overall[None, :]).sum(1)
+    return {"samples": samples, "classes": (counts > 0).sum(1), "tv": tv}
+
+
+def group_table(ds) -> str | None:
+    """The group statistics of ``ds`` (see the module docstring), or None if no domain has groups."""
+    rows = []
+    for d in ds.domains:
+        sp = ds.split(d, "all")
+        if sp.groups is not None and len(sp):
+            rows.append((d, group_stats(sp.groups, sp.labels, ds.num_classes)))
+    if not rows:
+        return None
+    header = f"{'domain':<16}{'groups':>7}{'samples/group':>16}{'min':>6}{'median':>7}{'max':>6}{'classes':>9}{'label TV':>10}"
+    lines = ["groups (the clients of a natural partition), samples over train+val+test;",
+             "classes: mean number of classes a group holds; label TV: mean total-variation",
+             "distance between a group's label distribution and its domain's", "", header, "-" * len(header)]
+
+    def line(name, st):
+        n = st["samples"]
+        spread = f"{n.mean():.1f} ± {n.std():.1f}"
+        return (f"{name:<16}{n.size:>7}{spread:>16}{int(n.min()):>6}{np.median(n):>7g}{int(n.max()):>6}"
+                f"{st['classes'].mean():>9.1f}{st['tv'].mean():>10.3f}")
+
+    lines += [line(d, st) for d, st in rows]
+    if len(rows) > 1:
+        lines.append("-" * len(header))
+        lines.append(line("total", {k: np.concatenate([st[k] for _, st in rows]) for k in rows[0][1]}))
     return "\n".join(lines)
 
 
