@@ -145,16 +145,23 @@ def class_name(name: str) -> str:
 
 def check_name(name: str) -> None:
     """NAME is the module's name and the method's: an identifier that hides nothing."""
+    from raysim.methods import registry
+
+    check_module_name(name, "method", registry.names())
+
+
+def check_module_name(name: str, what: str, builtins) -> None:
+    """NAME names the module NAME.py a scaffold writes: an identifier, no built-in ``what``'s name
+    (``builtins``), and no importable module's (NAME.py would hide it)."""
     import keyword
 
     if not _NAME.fullmatch(name) or keyword.iskeyword(name):
-        raise UserError(f"method name {name!r}: expected a Python identifier of letters, digits and '_', "
+        raise UserError(f"{what} name {name!r}: expected a Python identifier of letters, digits and '_', "
                         "starting with a letter (it names the module NAME.py)")
-    from raysim.methods import registry
-    if name in registry.names():
-        raise UserError(f"method name {name!r} is a built-in method's; choose another")
+    if name in builtins:
+        raise UserError(f"{what} name {name!r} is a built-in {what}'s; choose another")
     if name in sys.stdlib_module_names or importlib.util.find_spec(name) is not None:
-        raise UserError(f"method name {name!r} is an importable module's; choose another (NAME.py would hide it)")
+        raise UserError(f"{what} name {name!r} is an importable module's; choose another (NAME.py would hide it)")
 
 
 def new_method(name: str, folder: str = ".", example: str | None = None) -> list[str]:
@@ -385,17 +392,9 @@ def dataset_loader_name(name: str) -> str:
 
 def check_dataset_name(name: str) -> None:
     """NAME is the module's name: an identifier that hides no importable module nor a dataset."""
-    import keyword
-
     from raysim import data
 
-    if not _NAME.fullmatch(name) or keyword.iskeyword(name):
-        raise UserError(f"dataset name {name!r}: expected a Python identifier of letters, digits and '_', "
-                        "starting with a letter (it names the module NAME.py)")
-    if name in data.available():
-        raise UserError(f"dataset name {name!r} is a built-in dataset's; choose another")
-    if name in sys.stdlib_module_names or importlib.util.find_spec(name) is not None:
-        raise UserError(f"dataset name {name!r} is an importable module's; choose another (NAME.py would hide it)")
+    check_module_name(name, "dataset", data.available())
 
 
 def new_dataset(name: str, folder: str = ".") -> list[str]:

@@ -42,11 +42,10 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from raysim.data.folders import (GENERIC_PRESETS, carve_positions, check_split_by, name_ids, preprocessing,
                                  resolve_options, split_rng)
-from raysim.data.splits import SPLITS, MultiDomainDataset, Split, _readonly, as_groups, as_index
+from raysim.data.splits import SPLITS, DecodedSplit, MultiDomainDataset, _readonly, as_groups, as_index
 from raysim.core.errors import UserError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -145,7 +144,7 @@ class ArrowFiles:
         self._lock = threading.Lock()
 
 
-class ArrowSplit(Split):
+class ArrowSplit(DecodedSplit):
     """Rows of Parquet/Arrow files (``file_index``, ``file_row`` per position), decoded on demand.
 
     ``chunk_reads`` counts the chunks (row groups, record batches) read, keyed (file index,
@@ -225,11 +224,6 @@ class ArrowSplit(Split):
                     if self.cache_images:
                         self._decoded[int(i[want[k]])] = a
         return out
-
-    def tensors(self, idx, train: bool = False, generator: torch.Generator | None = None):
-        i = as_index(idx, len(self))
-        x = torch.from_numpy(self.images(i)).permute(0, 3, 1, 2).float().div_(255.0).contiguous()
-        return self._finish(x, train, generator), torch.from_numpy(self.labels[i].copy())
 
     def __getstate__(self):
         state = dict(self.__dict__)

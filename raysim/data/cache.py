@@ -44,3 +44,18 @@ def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> bool:
         return True
     except (OSError, WriteFailed):
         return False
+
+
+def cached_arrays(path: Path, wanted: set[str], make, use_cache: bool = True) -> tuple[dict, str]:
+    """A generated benchmark's arrays: read from ``path`` when it holds every ``wanted`` key, else
+    ``make()`` (then written to ``path``); with the source, "cache" or "generated"."""
+    arrays = load_npz(path) if use_cache else None
+    if arrays is not None and not wanted <= set(arrays):
+        arrays = None  # written by something else: regenerate
+    if arrays is not None:
+        return arrays, "cache"
+    arrays = make()
+    if use_cache:
+        save_npz_atomic(path, arrays)
+    return arrays, "generated"
+

@@ -359,16 +359,9 @@ def load_digits5(root=None, seed: int = 0, image_size: int = 32, n_render: int =
     if n_render < 1430:  # 70% train
         raise UserError(f"n_render={n_render}: expected at least 1,430 so each domain has 1,000 train images")
     path = cache_path(seed, image_size, n_render)
-    arrays, t0, source = None, time.perf_counter(), "cache"
-    if cache:
-        arrays = cache_mod.load_npz(path)
-        wanted = {f"{d}__{s}__{k}" for d in DOMAINS for s in SPLITS for k in "xy"}
-        if arrays is not None and not wanted <= set(arrays):
-            arrays = None  # written by something else: regenerate
-    if arrays is None:
-        arrays, source = generate(seed, image_size, n_render), "generated"
-        if cache:
-            cache_mod.save_npz_atomic(path, arrays)
+    t0 = time.perf_counter()
+    arrays, source = cache_mod.cached_arrays(path, {f"{d}__{s}__{k}" for d in DOMAINS for s in SPLITS for k in "xy"},
+                                             lambda: generate(seed, image_size, n_render), cache)
     seconds = time.perf_counter() - t0
     mean, std = resolve_normalization(normalize)
     aug = make_augment(augment)

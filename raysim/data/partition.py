@@ -431,6 +431,14 @@ def _plan_per_domain(ds, spec, doms, seed, shared_default, notes) -> list[_Domai
     return plans
 
 
+def _deal(pos: np.ndarray, p: np.ndarray, parts: list[list], sizes: np.ndarray) -> None:
+    """Cut one class's positions ``pos`` at the cumulative shares ``p``: piece j to partition j."""
+    cuts = (np.cumsum(p) * pos.size).astype(np.int64)[:-1]
+    for j, chunk in enumerate(np.split(pos, cuts)):
+        parts[j].append(chunk)
+        sizes[j] += chunk.size
+
+
 def _dirichlet_lists(labels: np.ndarray, k: int, alpha: float, min_size: int, balance: bool,
                      max_tries: int, rng: np.random.Generator, domain: str) -> list[np.ndarray]:
     n = labels.size
@@ -448,10 +456,7 @@ def _dirichlet_lists(labels: np.ndarray, k: int, alpha: float, min_size: int, ba
                 q = p * (sizes < n / k)
                 p = q if q.sum() > 0 else p
             p = p / p.sum()
-            cuts = (np.cumsum(p) * pos.size).astype(np.int64)[:-1]
-            for j, chunk in enumerate(np.split(pos, cuts)):
-                parts[j].append(chunk)
-                sizes[j] += chunk.size
+            _deal(pos, p, parts, sizes)
         if sizes.min() >= min_size:
             return [np.sort(np.concatenate(c)).astype(np.int64) for c in parts]
     raise UserError(f"partition: dirichlet alpha={alpha} could not give all {k} clients of {domain!r} "
@@ -576,10 +581,7 @@ def flwr_dirichlet_partitions(labels, num_partitions: int, *, alpha: float, min_
             if self_balancing:  # never all zero: not every partition can be above the average
                 p = np.where(sizes > average, 0.0, p)
                 p = p / np.cumsum(p)[-1]  # summed left to right, as flwr's sum() does (not pairwise)
-            cuts = (np.cumsum(p) * pos.size).astype(np.int64)[:-1]
-            for j, chunk in enumerate(np.split(pos, cuts)):
-                parts[j].append(chunk)
-                sizes[j] += chunk.size
+            _deal(pos, p, parts, sizes)
         if sizes.min() >= min_partition_size:
             return [np.sort(np.concatenate(c)).astype(np.int64) for c in parts]
     raise UserError(f"partition: dirichlet alpha={alpha} could not give all {k} clients of {where} "

@@ -188,7 +188,17 @@ class ArraySplit(Split):
         return state
 
 
-class FileSplit(Split):
+class DecodedSplit(Split):
+    """A split whose ``images`` decodes (N, H, W, 3) uint8 on demand (files, Parquet rows):
+    ``tensors`` is those images in [0, 1], augmented and normalised."""
+
+    def tensors(self, idx, train: bool = False, generator: torch.Generator | None = None):
+        i = as_index(idx, len(self))
+        x = torch.from_numpy(self.images(i)).permute(0, 3, 1, 2).float().div_(255.0).contiguous()
+        return self._finish(x, train, generator), torch.from_numpy(self.labels[i].copy())
+
+
+class FileSplit(DecodedSplit):
     """(path, label) pairs decoded with PIL, resized to ``image_size`` on demand.
 
     ``cache_images=True`` keeps each decoded, resized uint8 image after first use: worth
@@ -236,11 +246,6 @@ class FileSplit(Split):
         for k, j in enumerate(i):
             out[k] = self._decode(int(j))
         return out
-
-    def tensors(self, idx, train: bool = False, generator: torch.Generator | None = None):
-        i = as_index(idx, len(self))
-        x = torch.from_numpy(self.images(i)).permute(0, 3, 1, 2).float().div_(255.0).contiguous()
-        return self._finish(x, train, generator), torch.from_numpy(self.labels[i].copy())
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -344,18 +349,24 @@ def stratified_carve(labels: np.ndarray, val_fraction: float, test_fraction: flo
     Used wherever a release has no official split: the fractions are rounded per
     class, so every class keeps its share in every split.
     """
+    labels = np.asarray(labels)
+    return _carve((np.flatnonzero(labels == c) for c in np.unique(labels)), val_fraction, test_fraction, rng)
+
+
+def _carve(buckets, val_fraction: float, test_fraction: float,
+           rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each bucket's positions (ascending), shuffled in turn by ``rng`` and cut into its rounded
+    test and val shares, at least one position left to train; the three unions, sorted."""
     if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
         raise UserError(
             f"val_fraction={val_fraction}, test_fraction={test_fraction}: need both >= 0 and a sum < 1"
         )
-    labels = np.asarray(labels)
     tr, va, te = [], [], []
-    for c in np.unique(labels):
-        pos = np.flatnonzero(labels == c)
+    for pos in buckets:
         pos = pos[rng.permutation(pos.size)]
         n_te = int(round(pos.size * test_fraction))
         n_va = int(round(pos.size * val_fraction))
-        if n_te + n_va >= pos.size:  # keep at least one training example per class
+        if n_te + n_va >= pos.size:  # keep at least one training example per bucket
             n_te, n_va = min(n_te, max(pos.size - 1, 0)), max(min(n_va, pos.size - 1 - n_te), 0)
         te.append(pos[:n_te])
         va.append(pos[n_te:n_te + n_va])
@@ -372,24 +383,8 @@ def group_carve(groups: np.ndarray, val_fraction: float, test_fraction: float,
     partition) evaluates on its own held-out samples; a group keeps at least one training
     sample. Groups are visited in ascending id order, each with its own slice of ``rng``'s stream.
     """
-    if not (0 <= val_fraction and 0 <= test_fraction and val_fraction + test_fraction < 1):
-        raise UserError(
-            f"val_fraction={val_fraction}, test_fraction={test_fraction}: need both >= 0 and a sum < 1"
-        )
     groups = np.asarray(groups).reshape(-1)
-    order = np.argsort(groups, kind="stable")
+    order = np.argsort(groups, kind="stable")  # within a group, positions stay ascending
     ids, starts = np.unique(groups[order], return_index=True)
     bounds = np.append(starts, groups.size)
-    tr, va, te = [], [], []
-    for k in range(ids.size):
-        pos = order[bounds[k]:bounds[k + 1]]
-        pos = pos[rng.permutation(pos.size)]
-        n_te = int(round(pos.size * test_fraction))
-        n_va = int(round(pos.size * val_fraction))
-        if n_te + n_va >= pos.size:  # keep at least one training sample per group
-            n_te, n_va = min(n_te, max(pos.size - 1, 0)), max(min(n_va, pos.size - 1 - n_te), 0)
-        te.append(pos[:n_te])
-        va.append(pos[n_te:n_te + n_va])
-        tr.append(pos[n_te + n_va:])
-    cat = lambda xs: np.sort(np.concatenate(xs)).astype(np.int64) if xs else np.zeros(0, np.int64)
-    return cat(tr), cat(va), cat(te)
+    return _carve((order[bounds[k]:bounds[k + 1]] for k in range(ids.size)), val_fraction, test_fraction, rng)

@@ -416,16 +416,10 @@ def load_writers(root=None, seed: int = 0, num_writers: int = 800, samples_mean:
     label_alpha = _number("label_alpha", label_alpha, 1e-3, 1e6, integer=False)
     seed = int(seed)
     path = cache_path(seed, num_writers, samples_mean, image_size, channels, label_alpha)
-    arrays, t0, source = None, time.perf_counter(), "cache"
-    if cache:
-        arrays = cache_mod.load_npz(path)
-        wanted = {f"{d}__{s}__{k}" for d in DOMAINS for s in SPLITS for k in "xyg"}
-        if arrays is not None and not wanted <= set(arrays):
-            arrays = None  # written by something else: regenerate
-    if arrays is None:
-        arrays, source = generate(seed, num_writers, samples_mean, image_size, channels, label_alpha), "generated"
-        if cache:
-            cache_mod.save_npz_atomic(path, arrays)
+    t0 = time.perf_counter()
+    arrays, source = cache_mod.cached_arrays(
+        path, {f"{d}__{s}__{k}" for d in DOMAINS for s in SPLITS for k in "xyg"},
+        lambda: generate(seed, num_writers, samples_mean, image_size, channels, label_alpha), cache)
     seconds = time.perf_counter() - t0
     mean, std = resolve_normalization(normalize, channels)
     aug = make_augment(augment)
