@@ -175,6 +175,11 @@ def new_method(name: str, folder: str = ".", example: str | None = None) -> list
         texts = {f: t.replace("__NAME__", name).replace("__CLASS__", cls) for f, t in texts.items()}
     else:
         texts = from_example(example, name)
+    return write_new_files(folder, texts)
+
+
+def write_new_files(folder: str, texts: dict[str, str]) -> list[str]:
+    """Write each {file name: text} into ``folder`` (created if missing), none if any exists."""
     files = {os.path.join(folder, f): text for f, text in texts.items()}
     for path in files:
         if os.path.exists(path):
@@ -402,14 +407,7 @@ def new_dataset(name: str, folder: str = ".") -> list[str]:
     missing); the paths written. Refuses (UserError) where either file exists, and then writes none."""
     check_dataset_name(name)
     texts = {f"{name}.py": DATASET, f"test_{name}.py": DATASET_TEST}
-    files = {os.path.join(folder, f): text.replace("__NAME__", name) for f, text in texts.items()}
-    for path in files:
-        if os.path.exists(path):
-            raise UserError(f"{path} exists; raysim new never overwrites a file (remove it or choose another NAME)")
-    os.makedirs(folder, exist_ok=True)
-    for path, text in files.items():
-        write_text(path, text, exclusive=True)
-    return list(files)
+    return write_new_files(folder, {f: text.replace("__NAME__", name) for f, text in texts.items()})
 
 
 def dataset_next_steps(name: str, folder: str) -> str:

@@ -45,7 +45,7 @@ import numpy as np
 
 from raysim.data.folders import (GENERIC_PRESETS, carve_positions, check_split_by, name_ids, preprocessing,
                                  resolve_options, split_rng)
-from raysim.data.splits import SPLITS, DecodedSplit, MultiDomainDataset, _readonly, as_groups, as_index
+from raysim.data.splits import SPLITS, DecodedSplit, MultiDomainDataset, _readonly, as_index
 from raysim.core.errors import UserError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -160,14 +160,7 @@ class ArrowSplit(DecodedSplit):
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if not labels.shape[0] == self.file_index.shape[0] == self.file_row.shape[0]:
             raise ValueError("ArrowSplit: file_index, file_row and labels differ in length")
-        self.labels = _readonly(labels)
-        self.groups = as_groups(groups, labels.shape[0])
-        self.image_size = int(image_size)
-        self.image_shape = (3, self.image_size, self.image_size)
-        self.mean, self.std = tuple(mean), tuple(std)
-        self.augment = augment
-        self.cache_images = cache_images
-        self._decoded: dict[int, np.ndarray] = {}
+        self._set_decoding(labels, groups, image_size, mean, std, augment, cache_images)
         self.chunk_reads: collections.Counter = collections.Counter()
         self.rows_decoded = 0
 

@@ -192,6 +192,17 @@ class DecodedSplit(Split):
     """A split whose ``images`` decodes (N, H, W, 3) uint8 on demand (files, Parquet rows):
     ``tensors`` is those images in [0, 1], augmented and normalised."""
 
+    def _set_decoding(self, labels: np.ndarray, groups, image_size: int, mean, std, augment,
+                      cache_images: bool) -> None:
+        self.labels = _readonly(labels)
+        self.groups = as_groups(groups, labels.shape[0])
+        self.image_size = int(image_size)
+        self.image_shape = (3, self.image_size, self.image_size)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.augment = augment
+        self.cache_images = cache_images
+        self._decoded: dict[int, np.ndarray] = {}
+
     def tensors(self, idx, train: bool = False, generator: torch.Generator | None = None):
         i = as_index(idx, len(self))
         x = torch.from_numpy(self.images(i)).permute(0, 3, 1, 2).float().div_(255.0).contiguous()
@@ -211,14 +222,7 @@ class FileSplit(DecodedSplit):
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if labels.shape[0] != len(self.paths):
             raise ValueError(f"{len(self.paths)} paths but {labels.shape[0]} labels")
-        self.labels = _readonly(labels)
-        self.groups = as_groups(groups, labels.shape[0])
-        self.image_size = int(image_size)
-        self.image_shape = (3, self.image_size, self.image_size)
-        self.mean, self.std = tuple(mean), tuple(std)
-        self.augment = augment
-        self.cache_images = cache_images
-        self._decoded: dict[int, np.ndarray] = {}
+        self._set_decoding(labels, groups, image_size, mean, std, augment, cache_images)
 
     def _decode(self, i: int) -> np.ndarray:
         if self.cache_images and i in self._decoded:
