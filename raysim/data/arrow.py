@@ -45,7 +45,7 @@ import numpy as np
 
 from raysim.data.folders import (GENERIC_PRESETS, carve_positions, check_split_by, name_ids, preprocessing,
                                  resolve_options, split_rng)
-from raysim.data.splits import SPLITS, DecodedSplit, MultiDomainDataset, _readonly, as_index
+from raysim.data.splits import SPLITS, DecodedSplit, MultiDomainDataset, read_only, as_index
 from raysim.core.errors import UserError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -76,7 +76,7 @@ class ArrowFiles:
     def __init__(self, paths: list[str], kinds: list[str], bounds: list[np.ndarray], image_column: str,
                  image_kind: str):
         self.paths, self.kinds = list(paths), list(kinds)
-        self.bounds = [_readonly(np.asarray(b, dtype=np.int64)) for b in bounds]  # chunk row starts, + end
+        self.bounds = [read_only(np.asarray(b, dtype=np.int64)) for b in bounds]  # chunk row starts, + end
         self.image_column, self.image_kind = image_column, image_kind
         self._open: dict[int, object] = {}
         self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -155,8 +155,8 @@ class ArrowSplit(DecodedSplit):
     def __init__(self, files: ArrowFiles, file_index, file_row, labels, image_size: int, mean, std,
                  augment=None, groups=None, cache_images: bool = False):
         self.files = files
-        self.file_index = _readonly(np.asarray(file_index, dtype=np.int32).reshape(-1))
-        self.file_row = _readonly(np.asarray(file_row, dtype=np.int64).reshape(-1))
+        self.file_index = read_only(np.asarray(file_index, dtype=np.int32).reshape(-1))
+        self.file_row = read_only(np.asarray(file_row, dtype=np.int64).reshape(-1))
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if not labels.shape[0] == self.file_index.shape[0] == self.file_row.shape[0]:
             raise ValueError("ArrowSplit: file_index, file_row and labels differ in length")

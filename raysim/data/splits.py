@@ -114,7 +114,7 @@ class Split:
         return f"{type(self).__name__}(n={len(self)}, image_shape={self.image_shape})"
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
+def read_only(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
     return a
@@ -129,7 +129,7 @@ def as_groups(groups, n: int) -> np.ndarray | None:
         raise ValueError(f"{n} samples but {g.shape[0]} group ids")
     if g.size and not np.issubdtype(g.dtype, np.integer):
         raise ValueError(f"group ids must be integers, got {g.dtype} (map names to ids first)")
-    return _readonly(g.astype(np.int64, copy=False))
+    return read_only(g.astype(np.int64, copy=False))
 
 
 class ArraySplit(Split):
@@ -142,8 +142,8 @@ class ArraySplit(Split):
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if labels.shape[0] != images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
-        self._u8 = _readonly(images)
-        self.labels = _readonly(labels)
+        self._u8 = read_only(images)
+        self.labels = read_only(labels)
         self.groups = as_groups(groups, labels.shape[0])
         self.image_shape = tuple(int(s) for s in images.shape[1:])
         self.mean, self.std = tuple(mean), tuple(std)
@@ -194,7 +194,7 @@ class DecodedSplit(Split):
 
     def _set_decoding(self, labels: np.ndarray, groups, image_size: int, mean, std, augment,
                       cache_images: bool) -> None:
-        self.labels = _readonly(labels)
+        self.labels = read_only(labels)
         self.groups = as_groups(groups, labels.shape[0])
         self.image_size = int(image_size)
         self.image_shape = (3, self.image_size, self.image_size)
@@ -265,9 +265,9 @@ class ConcatSplit(Split):
         if not parts:
             raise ValueError("ConcatSplit needs at least one part")
         self.parts = parts
-        self.labels = _readonly(np.concatenate([p.labels for p in parts]))
+        self.labels = read_only(np.concatenate([p.labels for p in parts]))
         if all(p.groups is not None for p in parts):
-            self.groups = _readonly(np.concatenate([p.groups for p in parts]))
+            self.groups = read_only(np.concatenate([p.groups for p in parts]))
         self.offsets = np.cumsum([0] + [len(p) for p in parts])
         self.image_shape = parts[0].image_shape
         self.mean, self.std, self.augment = parts[0].mean, parts[0].std, parts[0].augment

@@ -114,6 +114,7 @@ def test_the_wheel_in_a_clean_venv_imports_every_method_and_trains_a_lib_method_
     assert packages == {p.removesuffix("/__init__.py") for p in source_files("__init__.py")}  # every package
     assert source_files(".py") <= names  # and every module of each
     assert {"raysim/methods/lib/__init__.py", "raysim/tuning/__init__.py"} <= names
+    assert {"raysim/methods/README.md", "raysim/data/README.md"} <= names  # the contracts errors point to
     shipped = {n.removeprefix("raysim/configs/") for n in names if n.startswith("raysim/configs/")}
     assert shipped == yaml_files(ROOT / "configs")  # every shipped config, the quickstart among them
     examples = {n.removeprefix("raysim/examples/") for n in names if n.startswith("raysim/examples/")}
