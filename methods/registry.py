@@ -165,11 +165,12 @@ def name_of(spec: str) -> str:
 def _plugin(spec: str):
     from raysim.core.contract import Method
 
-    module_name, _, cls_name = spec.partition(":")
-    if not (all(part.isidentifier() for part in module_name.split(".")) and cls_name.isidentifier()):
+    parsed = plugins.parse(spec)
+    if parsed is None:
         raise UserError(f"method {spec!r}: expected a name or module:Class (e.g. fednova:FedNova, "
                         "my_pkg.my_module:MyMethod)")
-    module = _import(module_name, spec)
+    module_name, cls_name = parsed
+    module = plugins.import_module(module_name, f"method {spec!r}")  # sys.path, then the current directory
     where = f"module {module_name} ({getattr(module, '__file__', None) or 'no file'})"
     if not hasattr(module, cls_name):
         raise UserError(f"method {spec!r}: {where} has no class {cls_name}")
@@ -195,11 +196,6 @@ def _good_name(name) -> bool:
     letters, digits, '_' or '-'."""
     return (isinstance(name, str) and name[:1].isalpha() and name.isascii()
             and all(c.isalnum() or c in "_-" for c in name))
-
-
-def _import(module_name: str, spec: str):
-    """``module_name`` from sys.path, then from the current directory (raysim.core.plugins)."""
-    return plugins.import_module(module_name, f"method {spec!r}")
 
 
 # ----------------------------------------------------------------------------- shipping

@@ -208,8 +208,6 @@ def build(name: str, per_domain: dict[str, dict[str, list[tuple]]], classes: Seq
             raise UserError(f"{name}: domain {d!r} has no images")
     keep = ("preset", "image_size", "normalize", "augment", "split", "val_fraction", "test_fraction")
     info = {**{k: opts[k] for k in keep if k in opts}, **info}
-    if group_names is None:
-        return MultiDomainDataset(name, splits, classes, info)
     return MultiDomainDataset(name, splits, classes, info, group_names=group_names)
 
 
