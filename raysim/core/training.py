@@ -27,9 +27,10 @@ def train_local_loss(method, ctx, spec):
     ``Method.local_update`` runs it, so a method that writes its step as a loss for client cohorts
     writes it once, and the cohort and the lone client train the same step."""
     model = ctx.model
+    params = dict(model.named_parameters())  # the same tensors every step: the loss reads them as they train
     opt = ctx.optimizer(lr=spec.lr)
     for batch in ctx.batches():
-        ctx.step(spec.loss(model, dict(model.named_parameters()), batch, spec.tensors), opt)
+        ctx.step(spec.loss(model, params, batch, spec.tensors), opt)
     return spec.finish(ctx) if spec.finish is not None else method.upload(ctx, ctx.stats())
 
 

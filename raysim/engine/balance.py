@@ -59,3 +59,23 @@ class StealingPlan:
 def plan_for(cfg):
     """The plan class ``runtime.balance`` asks for, or None: every client on its owner."""
     return StealingPlan if cfg.runtime.balance == "steal" else None
+
+
+def job_trainers(clients, pinned, num_hosts: int) -> dict[int, int]:
+    """Buffered schedule: the host that trains each of a dispatch's new jobs. A client whose
+    record is kept (``pinned``: its owner stores state for it) trains on its owner, k mod H; the
+    others start from their initial record wherever they train and leave it as it was, so they go
+    to the least loaded host in ascending client order: a step's ~K new jobs split evenly over the
+    hosts however their owners fall (an owner split of 10 jobs over 2 hosts is 6-4 or worse three
+    times in four, and the step waits for the busier host)."""
+    load = [0] * num_hosts
+    out: dict[int, int] = {}
+    for c in clients:
+        if c in pinned:
+            out[c] = c % num_hosts
+            load[out[c]] += 1
+    for c in sorted(clients):
+        if c not in pinned:
+            out[c] = min(range(num_hosts), key=lambda h: (load[h], h))
+            load[out[c]] += 1
+    return out

@@ -12,6 +12,7 @@ method's state.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -37,7 +38,7 @@ from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, S
 from raysim.core.buffered import delta_upload
 from raysim.core.seeding import generator_for
 from raysim.core.stages import RESIDUAL_KEY, from_config as stages_from_config, residual_on
-from raysim.engine.store import ClientStateStore, state_nbytes
+from raysim.engine.store import ClientStateStore, same_record, state_nbytes
 from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
 
 
@@ -357,17 +358,19 @@ class ClientHost:
         t0 = time.perf_counter()
         on_device, durations = {}, {}
         for cid, version in sorted(work.ahead if ahead else work.jobs):
-            if cid not in self.client_ids:  # another host's client
+            if work.trainers.get(cid, cid % self.num_hosts) != self.host_id:  # another host trains it
                 continue
             if version not in on_device:  # each version's payload to the device once per call
                 on_device[version] = to_device(unbox(work.payloads[version]), self.device, what="payload")
             mine, rnd = on_device[version], version + 1
             if not self.clock.fits(cid):  # it cannot train this model: arrives with nothing to fold
-                self._jobs[cid] = (None, self._record(cid), ClientClock.dropped_metrics(), 0)
+                self._jobs[cid] = (None, None, ClientClock.dropped_metrics(), 0)
                 durations[cid] = 0.0
                 continue
             with keep_state_on(self._state_device):
-                record = self._record(cid)
+                stored = self.store.get(cid)
+                record = self._initial_record(cid, stored)
+                initial = copy.deepcopy(record) if stored is None else None  # to see whether the job changes it
                 self.method.load_client_model(self.model, mine, record["state"])
                 ctx = self._context(cid, rnd, mine, record["state"])
                 with ComputeMeter() as meter, dropout_generator(generator_for(self.cfg.seed, rnd, cid, "dropout",
@@ -379,6 +382,8 @@ class ClientHost:
                         upload_nbytes(up)
                 else:  # the stages' update is already the delta y − x_v
                     delta, sent = self._staged(rnd, cid, record, up, mine, None)
+                if initial is not None and same_record(record, initial):
+                    record = None  # still its initial record: nothing to keep, and any host may train it next
             metrics = dict(delta.metrics)
             metrics.update(self.clock.round_metrics(cid, meter.macs, tensors_nbytes(mine), sent))
             self._jobs[cid] = (delta, record, metrics, sent)
@@ -387,17 +392,31 @@ class ClientHost:
         return durations
 
     def fold(self, rnd: int, plan: StepPlan) -> HostRoundResult:
-        """Server step ``rnd``'s share of this host: its folded jobs' records stored, their delta
-        uploads folded with weight w_i × s(τ_i); its dropped jobs (arrivals too stale to fold):
-        their records stored all the same."""
-        mine = self.client_ids
-        folded = [(c, s, tau) for c, s, tau, _ in plan.folded if c in mine]
-        dropped = [(c, tau) for c, tau in plan.dropped if c in mine]
+        """Server step ``rnd``'s share of this host (the jobs it trained): their delta uploads folded
+        with weight w_i × s(τ_i), and those of its dropped jobs (arrivals too stale to fold) not;
+        either way a job's new record is kept when it differs from the client's initial one, here
+        for this host's own clients, else handed back to the owner through the driver."""
+        def trained_here(c: int) -> bool:
+            return plan.trainers.get(c, c % self.num_hosts) == self.host_id
+
+        folded = [(c, s, tau) for c, s, tau, _ in plan.folded if trained_here(c)]
+        dropped = [(c, tau) for c, tau in plan.dropped if trained_here(c)]
         partial = self.method.aggregator.start()
         metrics, weights, bytes_up = {}, {}, 0
+        kept, for_owner = [], {}
+
+        def keep(cid: int, record: dict | None) -> None:
+            if record is None:
+                return
+            kept.append(cid)
+            if cid % self.num_hosts == self.host_id:
+                self.store.put(cid, record)
+            else:
+                for_owner[cid] = to_device(record, "cpu", what="state")
+
         for cid, scale, tau in sorted(folded):
             up, record, m, sent = self._jobs.pop(cid)
-            self.store.put(cid, record)
+            keep(cid, record)
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 0.0}
             bytes_up += sent
             if up is not None:
@@ -405,13 +424,13 @@ class ClientHost:
                 weights[cid] = up.weight
         for cid, tau in sorted(dropped):
             up, record, m, sent = self._jobs.pop(cid)
-            self.store.put(cid, record)
+            keep(cid, record)
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 1.0, "completed": 0.0}
             bytes_up += sent
         seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0
         return HostRoundResult(host=self.host_id, uploads=self.method.aggregator.leave_device(partial),
                                personal_sums=None, client_metrics=metrics, bytes_up=bytes_up,
-                               seconds=seconds, weights=weights)
+                               seconds=seconds, weights=weights, kept=kept, records_for_owner=for_owner)
 
     def export_records(self, client_ids: list[int]) -> dict[int, dict]:
         """The stored records of those listed clients that have one, for another host to train them."""

@@ -102,6 +102,7 @@ class FederationRun:
         self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
         self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
+        self._homecoming: list = []  # buffered: the last step's records going back to their owners
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -327,8 +328,18 @@ class FederationRun:
         plan = server.step.remote(*self._training_ahead, *durations)
         folds = [host.fold.remote(rnd, plan) for host in self.hosts]
         # the jobs this step did not need train while the server aggregates; the next step reads them
-        self._training_ahead = [host.train_jobs.remote(jobs, True) for host in self.hosts]
-        return self._call(server.aggregate_buffered.remote(rnd, plan, *folds))
+        # (none follows the last: its jobs in flight would train for nothing)
+        self._training_ahead = [host.train_jobs.remote(jobs, True) for host in self.hosts] \
+            if rnd < self.cfg.rounds else []
+        summary: RoundSummary = self._call(server.aggregate_buffered.remote(rnd, plan, *folds))
+        # records a job left away from its owner (raysim.engine.balance.job_trainers) go home, queued
+        # on the owner before that client's next job (which trains there) and before any checkpoint
+        # reads the owner's store; the driver reads their answers a step later, when they are long done
+        self._call(self._homecoming)
+        self._homecoming = [self.hosts[h].import_states.remote({c: summary.records_for_owner[c] for c in cids})
+                            for h, cids in split_by_host(summary.records_for_owner, self.owner).items()]
+        summary.records_for_owner = {}
+        return summary
 
     def _evaluate(self, rnd: int) -> dict:
         """Every requested (client, split)'s scores of the model after round ``rnd``."""
@@ -498,7 +509,7 @@ class FederationRun:
         return time.monotonic() - self._ckpt_at >= max(c.minutes * 60, CHECKPOINT_COST_CAP * self._ckpt_seconds)
 
     def _restore(self, ckpt: dict | None) -> int:
-        self.state_bytes, self._training_ahead = {}, []
+        self.state_bytes, self._training_ahead, self._homecoming = {}, [], []
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0

@@ -123,6 +123,12 @@ class HostRoundResult:
     weights: dict[int, float] = field(default_factory=dict)
     """Buffered schedule: each folded client's weight w_i before its staleness weight (Σ w_i is
     FedBuff's denominator; raysim.core.buffered)."""
+    kept: list[int] = field(default_factory=list)
+    """Buffered schedule: the folded or dropped clients whose new record differs from their initial
+    one (stored on their owner; their later jobs train there)."""
+    records_for_owner: dict[int, dict] = field(default_factory=dict)
+    """Buffered schedule: such records of jobs this host trained for another host's client, on
+    the CPU, for the driver to hand to the owner."""
 
 
 # ----------------------------------------------------------------------------- buffered schedule
@@ -139,6 +145,9 @@ class TrainJobs:
     """Version -> its broadcast payload in a box (:func:`box`)."""
     ahead: list[tuple[int, int]] = field(default_factory=list)
     """(client, model version) pairs to train after the step, ascending by client."""
+    trainers: dict[int, int] = field(default_factory=dict)
+    """Client -> the host that trains its job (raysim.engine.balance.job_trainers); absent: its
+    owner, k mod H."""
 
 
 @dataclass
@@ -153,6 +162,8 @@ class StepPlan:
     """(client, staleness weight s(τ), τ, the version it trained from), in arrival order."""
     dropped: list[tuple[int, int]] = field(default_factory=list)
     """(client, τ) of arrivals staler than schedule.max_staleness, dropped."""
+    trainers: dict[int, int] = field(default_factory=dict)
+    """Client -> the host that trained its job and holds its upload (absent: its owner)."""
 
 
 @dataclass
@@ -178,6 +189,9 @@ class RoundSummary:
     """The simulated clock (client profiles): sim_round_s, completed, sampled; empty without profiles."""
     host_seconds: dict[int, float] = field(default_factory=dict)
     """Wall seconds each host spent training (by host id)."""
+    records_for_owner: dict[int, dict] = field(default_factory=dict)
+    """Buffered schedule: records of clients trained away from their owner, for the driver to
+    hand to the owner before the next step (HostRoundResult.records_for_owner)."""
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -14,7 +14,9 @@ from raysim.core.aggregation import WeightedMean
 from raysim.core.contract import Method
 from raysim.core.selection import STATE_KEY as SELECTION_KEY, SelectionContext, from_config as selection_from_config
 from raysim.core.errors import UserError
+from raysim.engine.balance import job_trainers
 from raysim.engine.clock import device_time, read_trace
+from raysim.engine.layout import host_layout
 from raysim.engine.federation import ClientDomains, Federation
 from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, StepPlan, TrainJobs, box
 from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
@@ -59,6 +61,10 @@ class Server:
                                           model=self.fed.initial_model() if buffered else None)
         if self.buffered is not None and self.buffered.concurrency > self.n:
             raise UserError(f"schedule.concurrency = {self.buffered.concurrency} but the federation has {self.n} clients")
+        # buffered jobs of clients whose record is their initial one train on whichever host is least
+        # loaded (raysim.engine.balance.job_trainers); runtime.balance: owner keeps every job home
+        self.num_hosts = host_layout(self.cfg.runtime, self.n)[0]
+        self.move_jobs = self.cfg.runtime.balance == "steal" and self.num_hosts > 1
         # privacy and compression (raysim.core.stages): the noise, the accountant, the adaptive clip
         self.stages = stages_from_config(
             self.cfg, self.method, population=self.n, buffered=self.buffered is not None,
@@ -73,6 +79,8 @@ class Server:
         self.versions: dict[int, dict] = {}  # version -> its broadcast payload (CPU), while a job of it is in flight
         self.dispatches = 0
         self.training: set[int] = set()  # clients handed to the hosts to train after a step, durations not in yet
+        self.pinned: set[int] = set()  # clients whose owner keeps a record other than their initial one
+        self.trainers: dict[int, int] = {}  # client in flight -> the host that trains its job (absent: its owner)
 
     def _initial_state(self) -> dict:
         """The method's initial server state, and the selection's where it keeps one."""
@@ -270,6 +278,8 @@ class Server:
                 self.versions[tl.version] = self._training_payload(tl.version + 1)
             down = tensors_nbytes(self.versions[tl.version])
             tl.dispatch(chosen, [self._least_seconds(c, down) for c in chosen])
+            if self.move_jobs:
+                self.trainers.update(job_trainers(chosen, self.pinned, self.num_hosts))
             # the new clients' downloads (jobs trained again after a restore downloaded before it)
             self._bytes_down = len(chosen) * down
         else:
@@ -278,7 +288,8 @@ class Server:
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
         self.training.update(c for c, _ in jobs if c not in needed)
         payloads = {v: box(_put(self.versions[v])) for v in sorted({v for _, v in jobs})}
-        return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed])
+        return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed],
+                         trainers={c: self.trainers[c] for c, _ in jobs if c in self.trainers})
 
     def _least_seconds(self, client: int, bytes_down: int) -> float:
         """A lower bound of a job's simulated duration: its model's download at its bandwidth (the
@@ -298,8 +309,10 @@ class Server:
         step = tl.step()
         s = self.buffered.staleness
         folded = [(a.job.client, s.weight(a.staleness), a.staleness, a.job.version) for a in step.folded]
+        arrived = [a.job.client for a in step.folded + step.dropped]
         return StepPlan(version=step.version, time=step.time, folded=folded,
-                        dropped=[(a.job.client, a.staleness) for a in step.dropped])
+                        dropped=[(a.job.client, a.staleness) for a in step.dropped],
+                        trainers={c: self.trainers.pop(c) for c in arrived if c in self.trainers})
 
     def aggregate_buffered(self, rnd: int, plan: StepPlan, *host_results: HostRoundResult) -> RoundSummary:
         """Server step ``rnd`` of a buffered schedule: the method's ``buffered_step`` over the hosts'
@@ -307,6 +320,8 @@ class Server:
         results = sorted(host_results, key=lambda r: r.host)
         reduced = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
+        moved_records = {c: rec for r in results for c, rec in r.records_for_owner.items()}
+        self.pinned.update(c for r in results for c in r.kept)
         stage_metrics = {}
         if reduced.clients:
             weights = {c: w for r in results for c, w in r.weights.items()}
@@ -331,7 +346,8 @@ class Server:
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
                                             **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
-                            bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results})
+                            bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results},
+                            records_for_owner=moved_records)
 
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:
@@ -353,7 +369,8 @@ class Server:
         if self.timeline is None:
             return state
         return {**state, BUFFERED_KEY: {"timeline": self.timeline.export(), "versions": self.versions,
-                                        "dispatches": self.dispatches}}
+                                        "dispatches": self.dispatches, "pinned": sorted(self.pinned),
+                                        "trainers": self.trainers}}
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's state. A buffered schedule's jobs in flight lost their uploads with the
@@ -369,6 +386,10 @@ class Server:
             self.versions = {int(v): p for v, p in kept["versions"].items()}
             self.dispatches = int(kept["dispatches"])
             self.training = set()
+            self.pinned = {int(c) for c in kept.get("pinned", ())}
+            self.trainers = {int(c): int(h) % self.num_hosts for c, h in kept.get("trainers", {}).items()}
+            if "pinned" not in kept:  # a checkpoint from before job_trainers: its owners may hold any record
+                self.move_jobs = False
 
     def reset(self) -> None:
         """Back to round 0: the initial global state (reproducible from the config alone)."""

@@ -136,6 +136,23 @@ def state_nbytes(obj) -> int:
     return 64
 
 
+def same_record(a, b) -> bool:
+    """Whether two client records hold the same values: the same containers and keys, tensors of
+    the same dtype, shape and elements, other leaves equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(same_record(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b) and all(same_record(x, y) for x, y in zip(a, b)))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, ValueError):  # an array's elementwise comparison: not judged, so kept
+        return False
+
+
 def _on_device(state) -> bool:
     return any(t.device.type != "cpu" for t in leaves(state))
 

@@ -8,7 +8,7 @@ import pytest
 
 from raysim.config import load_config
 from raysim.app.experiment import federation
-from raysim.engine.balance import StealingPlan
+from raysim.engine.balance import StealingPlan, job_trainers
 from raysim.testing import ElsewherePlan
 
 TINY = {
@@ -37,6 +37,15 @@ def test_a_host_drains_its_own_queue_in_shrinking_chunks_then_steals_movable_cli
     assert plan.next_chunk(1, 0) == (None, [])  # only sticky clients left on host 0
     assert list(plan.queues[0]) == [10, 12]
     assert plan.next_chunk(0, 0) == (0, [10])
+
+
+def test_a_dispatchs_jobs_split_evenly_and_pinned_clients_stay_home():
+    # owners of 0, 2, 4, 6 are all host 0: unpinned, they alternate over the hosts
+    assert job_trainers([6, 0, 4, 2], set(), 2) == {0: 0, 2: 1, 4: 0, 6: 1}
+    # 2 and 4 keep records on host 0: they train there, so 0 and 6 go to host 1
+    assert job_trainers([0, 2, 4, 6], {2, 4}, 2) == {2: 0, 4: 0, 0: 1, 6: 1}
+    assert job_trainers([1, 3, 5], {1, 3, 5}, 4) == {1: 1, 3: 3, 5: 1}
+    assert job_trainers([7], set(), 1) == {7: 0}
 
 
 def test_elsewhere_plan_trains_every_client_on_the_next_host():

@@ -186,3 +186,32 @@ def test_report_and_compare_draw_accuracy_against_simulated_time(in_process, tmp
     assert os.path.isfile(os.path.join(out, "curves_time.png"))
     assert "compare_time.png" in compare([out], out=str(tmp_path / "cmp"))
     assert os.path.isfile(tmp_path / "cmp" / "compare_time.png")
+
+
+def test_jobs_train_on_any_host_and_records_that_changed_go_home(tmp_path):
+    """FedBuff with top-k's error feedback (each client's residual is its record) on 2 hosts:
+    the jobs split evenly over the hosts whoever owns them (raysim.engine.balance.job_trainers),
+    a record a job changed away from its owner reaches the owner before that client's next job,
+    and the metrics are those of 1 host, where nothing moves."""
+    overrides = ("rounds=8", "schedule.concurrency=6", "schedule.buffer=3", "compression.kind=topk",
+                 "compression.fraction=0.1")
+    seen = {}
+
+    def look(rnd, summary, evaluation):
+        if fed.num_hosts == 2:
+            server = fed.server.obj
+            seen.setdefault("moved", set()).update(c for c, h in server.trainers.items() if h != c % 2)
+            seen["pinned"] = set(server.pinned)
+            seen["stored"] = [sorted(cid for cid in range(12) if cid in h.obj.store) for h in fed.hosts]
+
+    runs = []
+    for hosts in (1, 2):
+        fed = federation(cfg(*overrides, f"runtime.num_hosts={hosts}"), str(tmp_path / str(hosts)), progress=False,
+                         backend=InProcess(), on_round=look)
+        fed.run()
+        runs.append(metrics(fed.run_dir))
+    assert runs[0].equals(runs[1])
+    assert seen["moved"]  # some jobs trained away from their owner
+    assert seen["stored"][0] and all(c % 2 == 0 for c in seen["stored"][0])  # records live on their owner
+    assert seen["stored"][1] and all(c % 2 == 1 for c in seen["stored"][1])
+    assert seen["pinned"] == set(seen["stored"][0]) | set(seen["stored"][1])
