@@ -204,7 +204,8 @@ class RunningEpsilon:
             from dp_accounting.rdp import rdp_privacy_accountant as rdp
             if self._one_round is None:
                 acc = self.accounting.fresh()
-                acc.compose(event)
+                with quiet_absl():  # the curve's orders that do not converge are dropped, said per order
+                    acc.compose(event)
                 self._one_round = (acc._orders, acc._rdp.copy())  # dp-accounting keeps the curve here
             orders, curve = self._one_round
             with quiet_absl():
@@ -212,7 +213,8 @@ class RunningEpsilon:
         if self._acc is None or rounds < self._rounds:
             self._acc, self._rounds = self.accounting.fresh(), 0
         if rounds > self._rounds:
-            self._acc.compose(dpa.SelfComposedDpEvent(event, rounds - self._rounds))
+            with quiet_absl():
+                self._acc.compose(dpa.SelfComposedDpEvent(event, rounds - self._rounds))
             self._rounds = rounds
         with quiet_absl():
             return float(self._acc.get_epsilon(self.delta))
