@@ -76,7 +76,8 @@ def test_method_conforms(method, tmp_path, ray_session, examples_on_path):
     # every client record a checkpoint would hold loads back with weights_only=True
     assert fed.kept_hosts
     for host in fed.kept_hosts:
-        assert len(host.store) > 0
+        # a buffered schedule keeps no record equal to the client's initial one (FedBuff's, FedAsync's)
+        assert len(host.store) > 0 or fed.buffered
         for cid, record in host.store.items():
             buf = io.BytesIO()
             torch.save(record, buf)
