@@ -215,3 +215,12 @@ def test_jobs_train_on_any_host_and_records_that_changed_go_home(tmp_path):
     assert seen["stored"][0] and all(c % 2 == 0 for c in seen["stored"][0])  # records live on their owner
     assert seen["stored"][1] and all(c % 2 == 1 for c in seen["stored"][1])
     assert seen["pinned"] == set(seen["stored"][0]) | set(seen["stored"][1])
+
+
+@pytest.mark.slow  # two federations on Ray actors (~30 s): make test-slow
+def test_records_go_home_through_ray_as_in_one_process(ray_session, tmp_path):
+    """The same run as above on Ray actors (records cross the object store and the driver)."""
+    overrides = ("rounds=8", "schedule.concurrency=6", "schedule.buffer=3", "compression.kind=topk",
+                 "compression.fraction=0.1", "runtime.num_hosts=2", "runtime.cpus_per_host=0.5")
+    in_process = run(tmp_path / "in_process", *overrides, backend=InProcess())
+    assert run(tmp_path / "ray", *overrides).equals(in_process)
