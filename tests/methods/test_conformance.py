@@ -22,6 +22,7 @@ import torch
 
 from raysim.config import load_config
 from raysim.app.experiment import federation
+from raysim.engine.store import same_record
 from raysim.methods import registry
 from raysim.engine.backend import InProcess
 from raysim.testing import ElsewherePlan, config_for, run_rounds
@@ -83,7 +84,7 @@ def test_method_conforms(method, tmp_path, ray_session, examples_on_path):
             torch.save(record, buf)
             buf.seek(0)
             back = torch.load(buf, weights_only=True)
-            assert _same(back, record), (method, cid)
+            assert same_record(back, record), (method, cid)
 
     # the global model, and leave-one-domain-out with the unseen domain scored
     glob = run_rounds(method, tmp_path / "global", "eval.protocol=global", "rounds=1")
@@ -109,13 +110,3 @@ def test_dropout_draws_the_same_masks_whatever_the_layout(method, tmp_path, ray_
         assert other.equals(frames[0])
     losses = frames[0][(frames[0].split == "train") & (frames[0].metric == "loss")].value
     assert len(losses) and losses.notna().all()
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
