@@ -18,6 +18,7 @@ import time
 
 from raysim.core.errors import Interrupted, TrainingDiverged, TryLater, UserError, first_line
 from raysim.core.files import write_json
+from raysim.engine import wire
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
@@ -450,6 +451,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
     from raysim.engine.determinism import actor_options
     from raysim.engine.host import ClientHost
 
+    wire.install()  # the driver's tensors to the hosts (records moved home) as bytes too
     rt = cfg.runtime
     pg, own_pg, first_bundle = get_current_placement_group(), None, 1
     if pg is None:

@@ -103,6 +103,7 @@ class FederationRun:
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
         self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
         self._homecoming: list = []  # buffered: the last step's records going back to their owners
+        self._next_jobs = None  # buffered: the jobs the last step dispatched (None: ask the server)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -316,22 +317,26 @@ class FederationRun:
         return summary
 
     def _buffered_step(self, rnd: int) -> RoundSummary:
-        """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the free slots
-        dispatched at the last step's simulated time, every job whose duration is unknown trained
-        (all hosts at once, each its own clients'), then the step's arrivals taken in simulated
-        order and folded. The calls are chained (each takes the refs of the ones before), so the
-        driver waits once per step; nothing here depends on which host answers first."""
+        """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the jobs dispatched at
+        the last step's simulated time (which the last step's summary brought; the first step and
+        the first after a restore ask the server), every job whose duration the step needs trained
+        (only the hosts that have one: in steady state none), then the step's arrivals taken in
+        simulated order and folded. The calls are chained (each takes the refs of the ones before),
+        so the driver waits once per step; nothing here depends on which host answers first."""
         server = self.server
         self.doing = f"server step {rnd}"
-        jobs = server.dispatch.remote()
-        durations = [host.train_jobs.remote(jobs) for host in self.hosts]
+        jobs, self._next_jobs = self._next_jobs, None
+        if jobs is None:
+            jobs = self._call(server.dispatch.remote())
+        durations = [self.hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(self.hosts))]
         plan = server.step.remote(*self._training_ahead, *durations)
         folds = [host.fold.remote(rnd, plan) for host in self.hosts]
         # the jobs this step did not need train while the server aggregates; the next step reads them
         # (none follows the last: its jobs in flight would train for nothing)
-        self._training_ahead = [host.train_jobs.remote(jobs, True) for host in self.hosts] \
-            if rnd < self.cfg.rounds else []
+        self._training_ahead = [self.hosts[h].train_jobs.remote(jobs, True)
+                                for h in jobs.hosts(len(self.hosts), ahead=True)] if rnd < self.cfg.rounds else []
         summary: RoundSummary = self._call(server.aggregate_buffered.remote(rnd, plan, *folds))
+        self._next_jobs, summary.next_jobs = summary.next_jobs, None
         # records a job left away from its owner (raysim.engine.balance.job_trainers) go home, queued
         # on the owner before that client's next job (which trains there) and before any checkpoint
         # reads the owner's store; the driver reads their answers a step later, when they are long done
@@ -509,7 +514,7 @@ class FederationRun:
         return time.monotonic() - self._ckpt_at >= max(c.minutes * 60, CHECKPOINT_COST_CAP * self._ckpt_seconds)
 
     def _restore(self, ckpt: dict | None) -> int:
-        self.state_bytes, self._training_ahead, self._homecoming = {}, [], []
+        self.state_bytes, self._training_ahead, self._homecoming, self._next_jobs = {}, [], [], None
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0

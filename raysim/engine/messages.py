@@ -149,6 +149,10 @@ class TrainJobs:
     """Client -> the host that trains its job (raysim.engine.balance.job_trainers); absent: its
     owner, k mod H."""
 
+    def hosts(self, num_hosts: int, ahead: bool = False) -> list[int]:
+        """The hosts with a job to train before the step (``ahead``: after it), ascending."""
+        return sorted({self.trainers.get(c, c % num_hosts) for c, _ in (self.ahead if ahead else self.jobs)})
+
 
 @dataclass
 class StepPlan:
@@ -192,6 +196,9 @@ class RoundSummary:
     records_for_owner: dict[int, dict] = field(default_factory=dict)
     """Buffered schedule: records of clients trained away from their owner, for the driver to
     hand to the owner before the next step (HostRoundResult.records_for_owner)."""
+    next_jobs: "TrainJobs | None" = None
+    """Buffered schedule: the jobs dispatched at this step's time, for the driver to hand to the
+    hosts in the next step (None after the last step)."""
 
 
 # ----------------------------------------------------------------------------- evaluation

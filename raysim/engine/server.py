@@ -19,6 +19,7 @@ from raysim.engine.clock import device_time, read_trace
 from raysim.engine.layout import host_layout
 from raysim.engine.federation import ClientDomains, Federation
 from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, StepPlan, TrainJobs, box
+from raysim.engine import wire
 from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
 from raysim.core.buffered import BufferedUploads
 from raysim.core.seeding import SERVER, rng_for
@@ -37,6 +38,7 @@ class Server:
     def start(self) -> dict:
         """Build data, partition and initial state. Not in __init__: an error raised there reaches
         the driver without its cause, and a user error must arrive as one clear line."""
+        wire.install()  # its payloads leave as raw bytes (a no-op without Ray)
         self.fed = Federation(self.cfg)
         self.method = self.fed.method
         # which clients train: the method's own select, or the selection it runs with (clients.selection)
@@ -78,6 +80,7 @@ class Server:
         self.timeline = self.buffered.timeline() if self.buffered is not None else None
         self.versions: dict[int, dict] = {}  # version -> its broadcast payload (CPU), while a job of it is in flight
         self.dispatches = 0
+        self.unreported_down = 0  # bytes the jobs dispatched since the last step's summary downloaded
         self.training: set[int] = set()  # clients handed to the hosts to train after a step, durations not in yet
         self.pinned: set[int] = set()  # clients whose owner keeps a record other than their initial one
         self.trainers: dict[int, int] = {}  # client in flight -> the host that trains its job (absent: its owner)
@@ -280,10 +283,9 @@ class Server:
             tl.dispatch(chosen, [self._least_seconds(c, down) for c in chosen])
             if self.move_jobs:
                 self.trainers.update(job_trainers(chosen, self.pinned, self.num_hosts))
-            # the new clients' downloads (jobs trained again after a restore downloaded before it)
-            self._bytes_down = len(chosen) * down
-        else:
-            self._bytes_down = 0
+            # the new clients' downloads, reported with the next step (jobs trained again after a
+            # restore downloaded before it)
+            self.unreported_down += len(chosen) * down
         needed = set(tl.needed(self.training))
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
         self.training.update(c for c, _ in jobs if c not in needed)
@@ -316,7 +318,9 @@ class Server:
 
     def aggregate_buffered(self, rnd: int, plan: StepPlan, *host_results: HostRoundResult) -> RoundSummary:
         """Server step ``rnd`` of a buffered schedule: the method's ``buffered_step`` over the hosts'
-        folded deltas (raysim.core.buffered), then the versions no job in flight needs are dropped."""
+        folded deltas (raysim.core.buffered), then the versions no job in flight needs are dropped;
+        unless it was the last step, the free slots are dispatched at its time (:meth:`dispatch`),
+        the new jobs in the summary, so the next step needs no call of its own to learn them."""
         results = sorted(host_results, key=lambda r: r.host)
         reduced = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
@@ -342,12 +346,13 @@ class Server:
         clock = {"sim_time": plan.time, "folded": float(len(plan.folded)), "dropped_stale": float(len(plan.dropped)),
                  "staleness_mean": float(np.mean(taus)) if taus else math.nan,
                  "staleness_max": float(max(taus, default=0)), "in_flight": float(len(self.timeline.in_flight))}
+        bytes_down, self.unreported_down = self.unreported_down, 0
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
                                             **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
-                            bytes_down=getattr(self, "_bytes_down", 0), host_seconds={r.host: r.seconds for r in results},
-                            records_for_owner=moved_records)
+                            bytes_down=bytes_down, host_seconds={r.host: r.seconds for r in results},
+                            records_for_owner=moved_records, next_jobs=self.dispatch() if rnd < self.cfg.rounds else None)
 
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:
@@ -369,7 +374,8 @@ class Server:
         if self.timeline is None:
             return state
         return {**state, BUFFERED_KEY: {"timeline": self.timeline.export(), "versions": self.versions,
-                                        "dispatches": self.dispatches, "pinned": sorted(self.pinned),
+                                        "dispatches": self.dispatches, "unreported_down": self.unreported_down,
+                                        "pinned": sorted(self.pinned),
                                         "trainers": self.trainers}}
 
     def load_state(self, state: dict) -> None:
@@ -385,6 +391,7 @@ class Server:
             self.timeline = Timeline.restore(data)
             self.versions = {int(v): p for v, p in kept["versions"].items()}
             self.dispatches = int(kept["dispatches"])
+            self.unreported_down = int(kept.get("unreported_down", 0))
             self.training = set()
             self.pinned = {int(c) for c in kept.get("pinned", ())}
             self.trainers = {int(c): int(h) % self.num_hosts for c, h in kept.get("trainers", {}).items()}
