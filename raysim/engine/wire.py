@@ -17,8 +17,6 @@ it once Ray is up. The receiving process needs nothing: the pickle names
 :func:`tensor_from_wire`."""
 from __future__ import annotations
 
-import pickle
-
 import numpy as np
 import torch
 
@@ -38,14 +36,16 @@ def tensor_to_wire(t: torch.Tensor):
     if travels_as_bytes(t):
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         return "bytes", raw, str(t.dtype).removeprefix("torch."), tuple(t.shape)
-    return "torch", pickle.dumps(t, protocol=5)
+    rebuild, args = t.__reduce_ex__(5)  # torch's own: what Ray would have pickled for it
+    return "torch", rebuild, args
 
 
 def tensor_from_wire(sent) -> torch.Tensor:
     """The tensor :func:`tensor_to_wire` sent, writable and its own (the received bytes may be a
     read-only view of Ray's object store: they are copied once)."""
     if sent[0] == "torch":
-        return pickle.loads(sent[1])
+        _, rebuild, args = sent
+        return rebuild(*args)
     _, raw, dtype, shape = sent
     dtype = getattr(torch, dtype)
     if raw.size == 0:
