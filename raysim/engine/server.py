@@ -346,13 +346,14 @@ class Server:
         clock = {"sim_time": plan.time, "folded": float(len(plan.folded)), "dropped_stale": float(len(plan.dropped)),
                  "staleness_mean": float(np.mean(taus)) if taus else math.nan,
                  "staleness_max": float(max(taus, default=0)), "in_flight": float(len(self.timeline.in_flight))}
-        bytes_down, self.unreported_down = self.unreported_down, 0
+        bytes_down, self.unreported_down = self.unreported_down, 0  # this step's; the dispatch below adds the next's
+        next_jobs = self.dispatch() if rnd < self.cfg.rounds else None
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
                                             **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
                             bytes_down=bytes_down, host_seconds={r.host: r.seconds for r in results},
-                            records_for_owner=moved_records, next_jobs=self.dispatch() if rnd < self.cfg.rounds else None)
+                            records_for_owner=moved_records, next_jobs=next_jobs)
 
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:
