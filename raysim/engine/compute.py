@@ -29,6 +29,18 @@ from raysim.models.flops import probing
 METERED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
+def count_nonzero(weight: torch.Tensor) -> torch.Tensor:
+    """``torch.count_nonzero(weight)``, the same int64 count. On the CPU a weight without a zero
+    entry (a trained dense layer, nearly always) is told by its smallest magnitude, in under half
+    the time of counting (a 200 x 2352 float32 weight: ~0.10 ms against ~0.24 ms on one core, where
+    counting cost an MLP's training step ~25%); a zero, -0.0 or NaN anywhere sends it to the
+    count. On a GPU the count stays as it is: no branch on a device value, no sync."""
+    if weight.device.type == "cpu" and weight.is_floating_point() and weight.numel() \
+            and bool(torch.amin(weight.abs()) > 0):
+        return torch.tensor(weight.numel(), dtype=torch.int64)
+    return torch.count_nonzero(weight)
+
+
 class ComputeMeter:
     """``with ComputeMeter() as meter: method.local_update(ctx)``, then ``meter.macs``."""
 
@@ -56,7 +68,7 @@ class ComputeMeter:
         key, version = id(weight), (weight._version, weight.data_ptr())
         hit = self._nnz.get(key)
         if hit is None or hit[:2] != version:
-            hit = self._nnz[key] = (*version, torch.count_nonzero(weight.detach()))
+            hit = self._nnz[key] = (*version, count_nonzero(weight.detach()))
         return hit[2]
 
     def _add(self, device: torch.device, macs: torch.Tensor) -> None:

@@ -137,6 +137,29 @@ def test_the_meter_charges_each_forward_and_backward_at_the_layers_multiply_accu
     assert m.macs == 0
 
 
+
+def test_the_meters_nonzero_count_is_torchs_on_every_kind_of_weight():
+    """The CPU shortcut (no zero entry: the full size) gives torch.count_nonzero's int64 count for
+    dense weights and for every weight holding something that is not a plain non-zero: 0.0, -0.0
+    (what a masked negative weight becomes), NaN, inf, a denormal, and an empty weight."""
+    import torch
+    from raysim.engine.compute import count_nonzero
+    dense = torch.randn(7, 5)
+    cases = {"dense": dense, "float64": dense.double(), "bfloat16": dense.bfloat16(), "empty": torch.empty(0, 3),
+             "int": torch.tensor([[0, 1], [2, 0]])}
+    for name, value in (("zero", 0.0), ("minus zero", -0.0), ("nan", float("nan")), ("inf", float("inf")),
+                        ("denormal", 1e-45)):
+        w = dense.clone()
+        w[3, 2] = value
+        cases[name] = w
+    masked = dense * (torch.rand(7, 5) > 0.5)
+    cases["masked"] = masked
+    for name, w in cases.items():
+        got, want = count_nonzero(w), torch.count_nonzero(w)
+        assert got.dtype == want.dtype == torch.int64 and got.shape == want.shape == (), name
+        assert int(got) == int(want), name
+    assert int(count_nonzero(cases["minus zero"])) == 34 and int(count_nonzero(cases["nan"])) == 35
+
 TINY = {
     "seed": 4,
     "data": {"dataset": "digits5", "options": {"image_size": 16},
