@@ -190,9 +190,15 @@ class TensorBoardWriter(Callback):
         if self.writer is None or rnd <= self.recorded:  # a replayed round: recorded already
             return
         self.recorded = rnd
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # the round's scalars as one event (what add_scalar writes one event per tag for: the same
+        # tags, steps and float32 values to TensorBoard; 200 add_scalar calls took ~20 ms of the
+        # driver's time between two rounds, one event of 200 values ~0.3 ms)
+        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in round_scalars(log, rnd).items()]
         with writing(self.logdir):
-            for tag, value in round_scalars(log, rnd).items():
-                self.writer.add_scalar(tag, value, global_step=rnd)
+            if values:
+                self.writer._get_file_writer().add_summary(Summary(value=values), global_step=rnd)
             if evaluation is not None:
                 self.writer.flush()
 
