@@ -29,15 +29,24 @@ from raysim.models.flops import probing
 METERED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
+# a float's bits as the signed integer of its width: x != 0.0 exactly where those bits are neither 0
+# (+0.0) nor the integer's minimum (-0.0), NaN and denormals included
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
+
+
 def count_nonzero(weight: torch.Tensor) -> torch.Tensor:
-    """``torch.count_nonzero(weight)``, the same int64 count. On the CPU a weight without a zero
-    entry (a trained dense layer, nearly always) is told by its smallest magnitude, in under half
-    the time of counting (a 200 x 2352 float32 weight: ~0.10 ms against ~0.24 ms on one core, where
-    counting cost an MLP's training step ~25%); a zero, -0.0 or NaN anywhere sends it to the
-    count. On a GPU the count stays as it is: no branch on a device value, no sync."""
-    if weight.device.type == "cpu" and weight.is_floating_point() and weight.numel() \
-            and bool(torch.amin(weight.abs()) > 0):
-        return torch.tensor(weight.numel(), dtype=torch.int64)
+    """``torch.count_nonzero(weight)``, the same int64 count. On the CPU the weight's bits are
+    counted as integers, which vectorizes where the float count does not (a 200 x 2352 float32
+    weight: ~0.11 ms against ~0.24 ms on one core; counting cost an MLP's training step ~25%), and
+    checked for -0.0 (the integer minimum) with one ``amin``; a weight holding -0.0 (a masked
+    negative weight) gets the float count. On a GPU the count stays as it is: no branch on a
+    device value, no sync."""
+    bits = _BITS.get(weight.dtype)
+    if weight.device.type == "cpu" and bits is not None and weight.numel():
+        as_int = weight.view(bits)
+        if int(as_int.amin()) != torch.iinfo(bits).min:
+            return torch.count_nonzero(as_int)
     return torch.count_nonzero(weight)
 
 

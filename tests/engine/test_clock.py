@@ -139,9 +139,9 @@ def test_the_meter_charges_each_forward_and_backward_at_the_layers_multiply_accu
 
 
 def test_the_meters_nonzero_count_is_torchs_on_every_kind_of_weight():
-    """The CPU shortcut (no zero entry: the full size) gives torch.count_nonzero's int64 count for
-    dense weights and for every weight holding something that is not a plain non-zero: 0.0, -0.0
-    (what a masked negative weight becomes), NaN, inf, a denormal, and an empty weight."""
+    """The CPU count (the bits as integers, unless -0.0 is there) gives torch.count_nonzero's int64
+    count for dense weights of every float width and for weights holding 0.0, -0.0 (what a masked
+    negative weight becomes), NaN, inf or a denormal, a transposed weight and an empty one."""
     import torch
     from raysim.engine.compute import count_nonzero
     dense = torch.randn(7, 5)
@@ -152,8 +152,9 @@ def test_the_meters_nonzero_count_is_torchs_on_every_kind_of_weight():
         w = dense.clone()
         w[3, 2] = value
         cases[name] = w
-    masked = dense * (torch.rand(7, 5) > 0.5)
-    cases["masked"] = masked
+    cases["masked"] = dense * (torch.rand(7, 5) > 0.5)  # -0.0 where a negative weight was masked
+    cases["transposed"] = cases["zero"].t()
+    cases["float16 with -0.0"] = cases["minus zero"].half()
     for name, w in cases.items():
         got, want = count_nonzero(w), torch.count_nonzero(w)
         assert got.dtype == want.dtype == torch.int64 and got.shape == want.shape == (), name
