@@ -300,6 +300,9 @@ class TrackingConfig:
     mlflow_uri: str | None = None
     mlflow_experiment: str | None = None  # the MLflow experiment's name; null: the config's name, else "raysim"
     run_name: str | None = None  # the MLflow run's name; null: <method>/seed-<s>[/holdout-<d>] (raysim tune: the trial's)
+    # per-client training scalars (train/<metric>/client_<k>) in TensorBoard and MLflow for federations
+    # of at most this many clients (cross-silo); 0: none; null: always. metrics.parquet keeps every row
+    client_scalars: int | None = 100
 
 
 # the keys of a named variant in ``methods`` besides the config sections it changes
@@ -641,6 +644,10 @@ def validate(cfg: ExperimentConfig, method_key=None) -> None:
          "config key 'tracking.mlflow_uri' is empty; expected a tracking URI (e.g. http://127.0.0.1:5000) or null")
     need(t.mlflow_experiment is None or t.mlflow_experiment.strip() != "",
          "config key 'tracking.mlflow_experiment' is empty; expected an experiment name or null")
+    need(t.client_scalars is None or isinstance(t.client_scalars, int) and not isinstance(t.client_scalars, bool)
+         and t.client_scalars >= 0,
+         f"config key 'tracking.client_scalars' = {t.client_scalars!r}: expected a client count >= 0 "
+         "(per-client scalars for federations of at most that many clients; 0: none) or null (always)")
     need(cfg.server.betas is None or len(cfg.server.betas) == 2,
          f"config key 'server.betas' = {list(cfg.server.betas or [])}: expected two numbers in [0, 1) (β1, β2)")
     p = cfg.privacy

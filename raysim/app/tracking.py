@@ -20,7 +20,10 @@ Both only read the rows the round added to the :class:`raysim.engine.metrics.Met
 * other federation rows: ``train/loss`` (and any other training metric a method reports, averaged
   over the round's clients), ``comm/bytes_up``, ``comm/bytes_down``, ``clock/<name>`` (the simulated
   clock), ``server/<name>``;
-* per-client training rows: ``train/loss/client_<k>`` (and ``train/<metric>/client_<k>``).
+* per-client training rows: ``train/loss/client_<k>`` (and ``train/<metric>/client_<k>``), for
+  federations of at most ``tracking.client_scalars`` clients (100 by default): a cross-device
+  federation would add up to a tag per client it ever sampled, thousands that neither TensorBoard
+  nor an MLflow server shows usefully (``metrics.parquet`` keeps every client's rows).
 
 Both run in the driver process (callbacks never run on Ray workers).
 """
@@ -70,14 +73,23 @@ def tag_of(client: int, domain: str, split: str, metric: str) -> str | None:
     return _safe(f"{split}/{metric}" if domain == "ALL" else f"{split}/{metric}/{domain}")
 
 
-def round_scalars(log, rnd: int) -> dict[str, float]:
-    """{tag: value} of the rows ``log`` (a MetricsLog) holds for round ``rnd``."""
+def round_scalars(log, rnd: int, clients: bool = True) -> dict[str, float]:
+    """{tag: value} of the rows ``log`` (a MetricsLog) holds for round ``rnd``; ``clients``: the
+    per-client rows too."""
     out = {}
     for _, client, domain, split, metric, value in log.round_rows(rnd):
+        if client >= 0 and not clients:
+            continue
         tag = tag_of(int(client), str(domain), str(split), str(metric))
         if tag is not None:
             out[tag] = float(value)
     return out
+
+
+def client_scalars(cfg, num_clients: int) -> bool:
+    """Whether a federation of ``num_clients`` clients gets per-client scalars (``tracking.client_scalars``)."""
+    most = cfg.tracking.client_scalars
+    return most is None or num_clients <= most
 
 
 def _safe(tag: str) -> str:
@@ -164,8 +176,10 @@ class TensorBoardWriter(Callback):
         _quiet_event_writer_threads()
         self.writer = None
         self.recorded = 0  # the last round written
+        self.clients = True  # per-client scalars (tracking.client_scalars), decided by the federation's size
 
     def on_start(self, run) -> None:
+        self.clients = client_scalars(self.cfg, run.n)
         done = run.log.last_round()  # > 0 when resumed from a checkpoint
         earlier = os.path.isdir(self.logdir) and any(n.startswith("events.") for n in os.listdir(self.logdir))
         with writing(self.logdir):
@@ -195,7 +209,8 @@ class TensorBoardWriter(Callback):
         # the round's scalars as one event (what add_scalar writes one event per tag for: the same
         # tags, steps and float32 values to TensorBoard; 200 add_scalar calls took ~20 ms of the
         # driver's time between two rounds, one event of 200 values ~0.3 ms)
-        values = [Summary.Value(tag=tag, simple_value=value) for tag, value in round_scalars(log, rnd).items()]
+        values = [Summary.Value(tag=tag, simple_value=value)
+                  for tag, value in round_scalars(log, rnd, self.clients).items()]
         with writing(self.logdir):
             if values:
                 self.writer._get_file_writer().add_summary(Summary(value=values), global_step=rnd)
@@ -232,8 +247,10 @@ class MLflowLogger(Callback):
         self.client = _mlflow_client(self.uri)
         self.run_id = None
         self.recorded = 0  # the last round logged (a replayed round is not logged twice)
+        self.clients = True  # per-client metrics (tracking.client_scalars), decided by the federation's size
 
     def on_start(self, run) -> None:
+        self.clients = client_scalars(self.cfg, run.n)
         self.recorded = run.log.last_round()
         try:
             self._open(resumed=run.log.last_round() > 0)
@@ -275,7 +292,7 @@ class MLflowLogger(Callback):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(tag, value, now, rnd) for tag, value in round_scalars(log, rnd).items()]
+        metrics = [Metric(tag, value, now, rnd) for tag, value in round_scalars(log, rnd, self.clients).items()]
         self._guard(lambda: self.client.log_batch(self.run_id, metrics=metrics), f"round {rnd}'s metrics")
 
     def on_end(self, log) -> None:

@@ -156,11 +156,25 @@ def test_tensorboard_off_and_tracking_keys(tmp_path):
     assert (tmp_path / "metrics.parquet").is_file()
     for bad, words in (("tracking.mlflow_uri=''", "tracking.mlflow_uri"),
                        ("tracking.tensorboard=maybe", "tracking.tensorboard"),
-                       ("tracking.wandb=1", "unknown config key 'tracking.wandb'")):
+                       ("tracking.wandb=1", "unknown config key 'tracking.wandb'"),
+                       ("tracking.client_scalars=-1", "tracking.client_scalars"),
+                       ("tracking.client_scalars=many", "tracking.client_scalars")):
         with pytest.raises(UserError, match=words):
             load_config(raw=TINY, overrides=[bad])
     cfg = load_config(raw=TINY)
     assert (cfg.tracking.tensorboard, cfg.tracking.mlflow_uri, cfg.tracking.mlflow_experiment) == (True, None, None)
+    assert cfg.tracking.client_scalars == 100
+
+
+def test_a_federation_larger_than_client_scalars_gets_only_the_federations_scalars(tmp_path):
+    """Three clients with tracking.client_scalars 2 (as a cross-device federation beyond the default
+    100): no train/*/client_k tag, every federation tag, and metrics.parquet keeps each client's rows."""
+    _, df = run_tiny(tmp_path, "tracking.client_scalars=2", "rounds=1")
+    tags = set(read_events(tmp_path / "tb").Tags()["scalars"])
+    expected = {tag_of(r.client, r.domain, r.split, r.metric) for r in df.itertuples() if r.client < 0} - {None}
+    assert tags == expected and "train/loss" in tags
+    assert not any("/client_" in t for t in tags)
+    assert set(df[(df.split == "train") & (df.client >= 0)].client) == {0, 1, 2}
 
 
 def test_mlflow_missing_is_a_user_error(tmp_path, monkeypatch):
