@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from raysim.core.contract import LocalLoss, Method, cross_entropy
 from raysim.core.hparams import Hparams
+from raysim.core.tensors import tensors_nbytes
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,7 @@ class FedAvg(Method):
 
     def local_loss(self, ctx):
         return LocalLoss(cross_entropy)  # client cohorts: the step is SGD on the cross-entropy
+
+    def upload_floor(self, model):
+        personal = self.personal_keys(model)  # every client uploads the rest of its model
+        return tensors_nbytes({k: v for k, v in model.state_dict().items() if k not in personal})

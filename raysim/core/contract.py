@@ -459,6 +459,12 @@ class Method:
         """State-dict keys that stay on the client (FedBN: the BN layers)."""
         return set()
 
+    def upload_floor(self, model: nn.Module) -> int:
+        """Bytes every client upload sends at least (tensors, statistics and extras), or 0 where
+        that is not known (the default). A buffered schedule plans its server steps ahead with it
+        (a job takes at least its transfers); a larger figure than an upload sends fails the run."""
+        return 0
+
     # ---- server ---------------------------------------------------------------------------
     def init_server(self, model: nn.Module) -> dict:
         """Server state; ``state["global"]`` holds the shared tensors that are broadcast. Every
@@ -647,6 +653,8 @@ def buffered_refusal(method, model: nn.Module | None = None) -> str:
         return "it sends each client a payload of its own, built for the round"
     if cls.select is not Method.select:
         return "it selects each round's clients itself (select)"
+    if cls.selection is not Method.selection:
+        return "it runs its own client selection (selection), which a buffered dispatch's uniform draw would replace"
     if cls.pools_clients:
         return "it trains one model on every client's data at once"
     if model is not None and not isinstance(method, type) and method.personal_keys(model):

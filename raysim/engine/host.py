@@ -352,18 +352,21 @@ class ClientHost:
                                bytes_up_eval=eval_bytes, seconds=partial.seconds)
 
     # ------------------------------------------------------------------ buffered schedule
-    def train_jobs(self, work: TrainJobs, ahead: bool = False) -> dict[int, float]:
+    def train_jobs(self, work: TrainJobs, ahead: bool = False) -> tuple[dict[int, float], list[int]]:
         """Train each of this host's (client, version) jobs of ``work`` (``ahead``: those to train
-        after the step) in ascending client order from its version's payload, its draws keyed as
-        round version + 1, and keep its delta upload (raysim.core.buffered) until :meth:`fold`;
-        returns each job's simulated duration (the clock's compute and transfer)."""
+        after the window's folds) in ascending client order from its version's payload, its draws
+        keyed as round version + 1, and keep its delta upload (raysim.core.buffered) until
+        :meth:`fold`; returns each job's simulated duration (the clock's compute and transfer) and
+        the clients whose record the job changed (they train on their owner from now on)."""
         t0 = time.perf_counter()
-        on_device, durations = {}, {}
+        on_device, durations, changed = {}, {}, []
+        payloads = None
         for cid, version in sorted(work.ahead if ahead else work.jobs):
             if work.trainers.get(cid, cid % self.num_hosts) != self.host_id:  # another host trains it
                 continue
             if version not in on_device:  # each version's payload to the device once per call
-                on_device[version] = to_device(unbox(work.payloads[version]), self.device, what="payload")
+                payloads = unbox(work.payloads) if payloads is None else payloads
+                on_device[version] = to_device(payloads[version], self.device, what="payload")
             mine, rnd = on_device[version], version + 1
             if not self.clock.fits(cid):  # it cannot train this model: arrives with nothing to fold
                 self._jobs[cid] = (None, None, ClientClock.dropped_metrics(), 0)
@@ -390,11 +393,20 @@ class ClientHost:
             metrics.update(self.clock.round_metrics(cid, meter.macs, tensors_nbytes(mine), sent))
             self._jobs[cid] = (delta, record, metrics, sent)
             durations[cid] = metrics["sim_seconds"]
+            if record is not None:
+                changed.append(cid)
         self._job_seconds = getattr(self, "_job_seconds", 0.0) + time.perf_counter() - t0
-        return durations
+        return durations, changed
 
-    def fold(self, rnd: int, plan: StepPlan) -> HostRoundResult:
-        """Server step ``rnd``'s share of this host (the jobs it trained): their delta uploads folded
+    def fold(self, rnd: int, plans: list[StepPlan]) -> list[HostRoundResult]:
+        """This host's share of server steps ``rnd``, ``rnd + 1``, ... (a window: one result each,
+        one object for the driver to hand the server); the wall time it trained since the last
+        window is spread evenly over them."""
+        seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0
+        return [self._fold_step(plan, seconds / len(plans)) for plan in plans]
+
+    def _fold_step(self, plan: StepPlan, seconds: float) -> HostRoundResult:
+        """A server step's share of this host (the jobs it trained): their delta uploads folded
         with weight w_i × s(τ_i), and those of its dropped jobs (arrivals too stale to fold) not;
         either way a job's new record is kept when it differs from the client's initial one, here
         for this host's own clients, else handed back to the owner through the driver."""
@@ -429,7 +441,6 @@ class ClientHost:
             keep(cid, record)
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 1.0, "completed": 0.0}
             bytes_up += sent
-        seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0
         return HostRoundResult(host=self.host_id, uploads=self.method.aggregator.leave_device(partial),
                                personal_sums=None, client_metrics=metrics, bytes_up=bytes_up,
                                seconds=seconds, weights=weights, kept=kept, records_for_owner=for_owner)

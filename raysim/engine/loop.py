@@ -41,6 +41,9 @@ from raysim.core.seeding import SERVER, rng_for
 
 SERVER_CHECK_S = 10.0  # how long a Server has to answer a health check when hosts were lost
 END_ACTORS_S = 1.0  # after a stop or a signal, how long the actors' ending is waited for (ms on a live node)
+# buffered schedule: a window of server steps returns each host's folded sums of every step at once
+# (float64, about twice the model's bytes a step); at most this much, so big models take short windows
+WINDOW_BYTES = 256 * 2**20
 CHECKPOINT_COST_CAP = 20  # the time rule waits at least 20 x the last checkpoint's write time (<= ~5% of a run)
 
 
@@ -104,6 +107,9 @@ class FederationRun:
         self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
         self._homecoming: list = []  # buffered: the last step's records going back to their owners
         self._next_jobs = None  # buffered: the jobs the last step dispatched (None: ask the server)
+        self._window: list[RoundSummary] = []  # buffered: the summaries of the window's steps still to log
+        self._queued = False  # buffered: the last step came from a window, which its first step's time paid
+        self._untrained_ahead = None  # buffered: jobs the last window left untrained (it might have ended the run)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -153,7 +159,8 @@ class FederationRun:
                 self.faults.completed(rnd)
                 last_eval = evaluation or last_eval
                 round_seconds.append(time.perf_counter() - t0)
-                self.watchdog.observe(round_seconds[-1])
+                if not self._queued:  # a window's steps after its first took no calls of their own
+                    self.watchdog.observe(round_seconds[-1])
                 for cb in self.callbacks:
                     cb.on_round(rnd, summary, evaluation, self.log)
                 if self._time_is_up():  # stop.sim_hours reached: the federation is done
@@ -279,7 +286,10 @@ class FederationRun:
         elif "sim_round_s" in summary.clock:  # rounds one after another
             self.sim_time += summary.clock["sim_round_s"]
             summary.clock["sim_time"] = self.sim_time
-        results = self._evaluate(rnd) if self._eval_due(rnd, before) else None
+        due = self._eval_due(rnd, before)
+        if due and self._window:  # the server's state is past this step: the window should have ended here
+            raise RuntimeError(f"step {rnd} is evaluated but the buffered window went on to step {self._window[-1].round}")
+        results = self._evaluate(rnd) if due else None
         # metrics only once the whole round succeeded, so a replayed round never logs twice
         self.log.add_round(rnd, summary, self.domain_of)
         evaluation = self.log.add_eval(rnd, results, self.domain_of) if results is not None else None
@@ -317,34 +327,64 @@ class FederationRun:
         return summary
 
     def _buffered_step(self, rnd: int) -> RoundSummary:
-        """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the jobs dispatched at
-        the last step's simulated time (which the last step's summary brought; the first step and
-        the first after a restore ask the server), every job whose duration the step needs trained
-        (only the hosts that have one: in steady state none), then the step's arrivals taken in
-        simulated order and folded. The calls are chained (each takes the refs of the ones before),
-        so the driver waits once per step; nothing here depends on which host answers first."""
-        server = self.server
+        """Server step ``rnd`` of a buffered schedule (raysim.engine.timeline): the next summary of
+        the window of steps the last call planned and aggregated, or a new window's first."""
+        self._queued = bool(self._window)
+        if self._window:
+            return self._window.pop(0)
+        summaries = self._buffered_window(rnd)
+        self._window = summaries[1:]
+        return summaries[0]
+
+    def _buffered_window(self, rnd: int) -> list[RoundSummary]:
+        """Server steps ``rnd``, ``rnd + 1``, ... in one pass: the jobs dispatched by the last
+        window (the first window and the first after a restore ask the server) that its first step
+        could need, trained; the server plans as many steps as need no job still untrained (each
+        step's dispatch included) and never past a step the driver evaluates or checkpoints after;
+        the hosts fold them and the server aggregates them, while the hosts train the jobs it did
+        not need. The calls are chained (each takes the refs of the ones before), so the driver
+        waits once per window; nothing here depends on which host answers first."""
+        server, hosts = self.server, self.hosts
         self.doing = f"server step {rnd}"
         jobs, self._next_jobs = self._next_jobs, None
         if jobs is None:
             jobs = self._call(server.dispatch.remote())
-        durations = [self.hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(self.hosts))]
-        plan = server.step.remote(*self._training_ahead, *durations)
-        folds = [host.fold.remote(rnd, plan) for host in self.hosts]
-        # the jobs this step did not need train while the server aggregates; the next step reads them
-        # (none follows the last: its jobs in flight would train for nothing)
-        self._training_ahead = [self.hosts[h].train_jobs.remote(jobs, True)
-                                for h in jobs.hosts(len(self.hosts), ahead=True)] if rnd < self.cfg.rounds else []
-        summary: RoundSummary = self._call(server.aggregate_buffered.remote(rnd, plan, *folds))
-        self._next_jobs, summary.next_jobs = summary.next_jobs, None
+        trained = [hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(hosts))]
+        if self._untrained_ahead is not None:  # the last window thought it might end the run
+            trained += [hosts[h].train_jobs.remote(self._untrained_ahead, True)
+                        for h in self._untrained_ahead.hosts(len(hosts), ahead=True)]
+            self._untrained_ahead = None
+        steps = self._window_steps(rnd)
+        plans = server.plan.remote(rnd, steps, self.sim_time, *self._training_ahead, *trained)
+        folds = [host.fold.remote(rnd, plans) for host in hosts]
+        # the jobs the window did not need train while the server aggregates; the next window reads
+        # them (none after a window that may end the run: its jobs in flight would train for nothing)
+        self._training_ahead = []
+        if rnd + steps - 1 < self.cfg.rounds:
+            self._training_ahead = [hosts[h].train_jobs.remote(jobs, True) for h in jobs.hosts(len(hosts), ahead=True)]
+        elif jobs.ahead:
+            self._untrained_ahead = jobs
+        summaries: list[RoundSummary] = self._call(server.aggregate_buffered.remote(rnd, plans, *folds))
+        self._next_jobs, summaries[-1].next_jobs = summaries[-1].next_jobs, None
         # records a job left away from its owner (raysim.engine.balance.job_trainers) go home, queued
         # on the owner before that client's next job (which trains there) and before any checkpoint
-        # reads the owner's store; the driver reads their answers a step later, when they are long done
+        # reads the owner's store; the driver reads their answers a window later, when they are done
         self._call(self._homecoming)
-        self._homecoming = [self.hosts[h].import_states.remote({c: summary.records_for_owner[c] for c in cids})
-                            for h, cids in split_by_host(summary.records_for_owner, self.owner).items()]
-        summary.records_for_owner = {}
-        return summary
+        going_home = {c: rec for s in summaries for c, rec in s.records_for_owner.items()}
+        self._homecoming = [hosts[h].import_states.remote({c: going_home[c] for c in cids})
+                            for h, cids in split_by_host(going_home, self.owner).items()]
+        for s in summaries:
+            s.records_for_owner = {}
+        return summaries
+
+    def _window_steps(self, rnd: int) -> int:
+        """The most steps a window from ``rnd`` may take: up to the next step the driver evaluates
+        after (every ``eval.every``, the last) or checkpoints after (every ``checkpoint.every``),
+        and at most as many as keep a host's folded sums within WINDOW_BYTES."""
+        last = min(self.cfg.rounds, _next_multiple(rnd, self.cfg.eval.every))
+        if self.cfg.checkpoint.every:
+            last = min(last, _next_multiple(rnd, self.cfg.checkpoint.every))
+        return max(1, min(last - rnd + 1, WINDOW_BYTES // max(1, self.info.get("model_bytes", 0) * 2)))
 
     def _evaluate(self, rnd: int) -> dict:
         """Every requested (client, split)'s scores of the model after round ``rnd``."""
@@ -507,6 +547,8 @@ class FederationRun:
         c = self.cfg.checkpoint
         if rnd >= self.cfg.rounds:  # the finished run needs none
             return False
+        if self._window:  # inside a window of buffered steps the server's state is already past rnd
+            return False
         if c.every and rnd % c.every == 0:
             return True
         if c.minutes is None:
@@ -515,6 +557,7 @@ class FederationRun:
 
     def _restore(self, ckpt: dict | None) -> int:
         self.state_bytes, self._training_ahead, self._homecoming, self._next_jobs = {}, [], [], None
+        self._window, self._untrained_ahead = [], None
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0
@@ -598,6 +641,11 @@ def finished(run_dir: str, cfg) -> bool:
     fingerprint counts where nothing in the folder contradicts it (:func:`runstate.check`)."""
     runstate.check(run_dir, cfg)
     return runstate.read_status(run_dir).get("finished") is True
+
+
+def _next_multiple(rnd: int, every: int) -> int:
+    """The first multiple of ``every`` at or after ``rnd``."""
+    return -(-rnd // every) * every
 
 
 def eval_requests(cfg, clients: list[int], info: dict) -> dict[int, list[str]]:

@@ -141,8 +141,9 @@ class TrainJobs:
 
     jobs: list[tuple[int, int]]
     """(client, model version) pairs to train before the step, ascending by client."""
-    payloads: dict[int, list]
-    """Version -> its broadcast payload in a box (:func:`box`)."""
+    payloads: list
+    """Version -> its broadcast payload, one dict in a box (:func:`box`): one object-store object
+    however many versions a window's jobs train from."""
     ahead: list[tuple[int, int]] = field(default_factory=list)
     """(client, model version) pairs to train after the step, ascending by client."""
     trainers: dict[int, int] = field(default_factory=dict)
@@ -168,6 +169,10 @@ class StepPlan:
     """(client, τ) of arrivals staler than schedule.max_staleness, dropped."""
     trainers: dict[int, int] = field(default_factory=dict)
     """Client -> the host that trained its job and holds its upload (absent: its owner)."""
+    in_flight: int = 0
+    """Jobs still in flight after the step's arrivals left, before its dispatch."""
+    dispatched: int = 0
+    """Jobs dispatched at the step's time (from the version it produces)."""
 
 
 @dataclass

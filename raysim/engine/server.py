@@ -73,6 +73,16 @@ class Server:
             per_round=self.buffered.buffer if self.buffered is not None else self.per_round,
             always_available=self.availability is None and self.online_by_round is None)
         self.stage_state = self.stages.init_state() if self.stages is not None else {}
+        if self.buffered is not None:
+            # what every job transfers at least (its duration's lower bound, raysim.engine.timeline):
+            # the broadcast's global tensors, whose shapes never change, and the method's upload floor
+            # (none under compression, which sends less than the model)
+            self.down_floor = tensors_nbytes(self.method.broadcast(self.state, 1)["global"])
+            floor = self.method.upload_floor(self.fed.initial_model())
+            self.up_floor = floor if self.stages is None or self.stages.compression is None else 0
+            levels = self.fed.setup.client_profiles.level_profiles
+            unprofiled = len(self.fed.setup.client_profiles) < self.n
+            self.least_any = 0.0 if unprofiled else min((self._floor_seconds(p) for p in levels), default=0.0)
         self._reset_timeline()
         return self.describe()
 
@@ -111,7 +121,7 @@ class Server:
             domains = domains + ClientDomains.of(self.fed.target)
         return {"num_clients": self.n, "num_targets": self.fed.num_targets, "clients_per_round": self.per_round,
                 "domains": list(self.fed.domains), "client_domains": domains,
-                "buffered": self.buffered is not None,
+                "buffered": self.buffered is not None, "model_bytes": getattr(self, "down_floor", 0),
                 "privacy": (self.stages.privacy.describe(self.cfg.privacy.target_epsilon, self.cfg.rounds)
                             if self.stages is not None and self.stages.privacy is not None else None),
                 "partition_notes": list(getattr(partition, "notes", ())),  # what the partition dropped
@@ -257,70 +267,132 @@ class Server:
 
     # ------------------------------------------------------------------ buffered schedule
     def dispatch(self) -> TrainJobs:
-        """Fill the free slots at the timeline's time from the clients online then and not in flight
-        (a uniform draw keyed by the dispatch's count), and return every job in flight whose duration
-        is unknown (the new ones; after a restore, all), with their versions' payloads."""
+        """Fill the free slots at the timeline's time (:meth:`_fill_slots`) and return every job in
+        flight whose duration is unknown (the new ones; after a restore, all), with their versions'
+        payloads: the first step's, and the first after a restore (later ones come with the
+        aggregate of the window before)."""
+        tl = self.timeline
+        dispatched = self._fill_slots()
+        if dispatched:
+            self._payload_for(tl.version, dispatched)
+        return self._jobs_to_train()
+
+    def _fill_slots(self) -> int:
+        """Dispatch the free slots at the timeline's time from the clients online then and not in
+        flight (a uniform draw keyed by the dispatch's count), from the current version; returns how
+        many. Only durations and availability decide it, never the model, so a window plans it
+        before the steps it follows are aggregated."""
         tl, slot_s = self.timeline, self.buffered.slot_s
-        if tl.free_slots:
-            self.dispatches += 1
-            rng = rng_for(self.cfg.seed, self.dispatches, SERVER, "sample")
-            while True:
-                online = np.asarray(self.online(int(tl.now // slot_s) + 1), dtype=np.int64)
-                if tl.in_flight:
-                    online = online[~np.isin(online, np.fromiter(tl.in_flight, np.int64))]
-                if len(online) or tl.in_flight:
-                    break
-                if self.online_by_round is not None and tl.now // slot_s + 1 > max(self.online_by_round, default=0):
-                    raise UserError(f"no client is online after slot {int(tl.now // slot_s)} of the availability "
-                                    f"trace ({slot_s} s each) and none is in flight: the buffered federation cannot go on")
-                tl.now = (tl.now // slot_s + 1) * slot_s  # nobody online, nothing in flight: the next slot
-            take = min(tl.free_slots, len(online))
-            ctx = SelectionContext(round=self.dispatches, online=online, m=take, rng=rng, num_train=self._num_train)
-            chosen = online.tolist() if take == len(online) else self.selection.choose(None, ctx, {})
-            if tl.version not in self.versions:
-                self.versions[tl.version] = self._training_payload(tl.version + 1)
-            down = tensors_nbytes(self.versions[tl.version])
-            tl.dispatch(chosen, [self._least_seconds(c, down) for c in chosen])
-            if self.move_jobs:
-                self.trainers.update(job_trainers(chosen, self.pinned, self.num_hosts))
-            # the new clients' downloads, reported with the next step (jobs trained again after a
-            # restore downloaded before it)
-            self.unreported_down += len(chosen) * down
+        if not tl.free_slots:
+            return 0
+        self.dispatches += 1
+        rng = rng_for(self.cfg.seed, self.dispatches, SERVER, "sample")
+        while True:
+            online = np.asarray(self.online(int(tl.now // slot_s) + 1), dtype=np.int64)
+            if tl.in_flight:
+                online = online[~np.isin(online, np.fromiter(tl.in_flight, np.int64))]
+            if len(online) or tl.in_flight:
+                break
+            if self.online_by_round is not None and tl.now // slot_s + 1 > max(self.online_by_round, default=0):
+                raise UserError(f"no client is online after slot {int(tl.now // slot_s)} of the availability "
+                                f"trace ({slot_s} s each) and none is in flight: the buffered federation cannot go on")
+            tl.now = (tl.now // slot_s + 1) * slot_s  # nobody online, nothing in flight: the next slot
+        take = min(tl.free_slots, len(online))
+        ctx = SelectionContext(round=self.dispatches, online=online, m=take, rng=rng, num_train=self._num_train)
+        chosen = online.tolist() if take == len(online) else self.selection.choose(None, ctx, {})
+        tl.dispatch(chosen, [self._least_seconds(c) for c in chosen])
+        if self.move_jobs:
+            self.trainers.update(job_trainers(chosen, self.pinned, self.num_hosts))
+        return len(chosen)
+
+    def _payload_for(self, version: int, dispatched: int) -> None:
+        """Version ``version``'s payload, built from the state now (right after its step), and the
+        downloads of the ``dispatched`` jobs of it, reported with the next step (jobs trained again
+        after a restore downloaded before it)."""
+        if version not in self.versions:
+            self.versions[version] = self._training_payload(version + 1)
+        self.unreported_down += dispatched * tensors_nbytes(self.versions[version])
+
+    def _jobs_to_train(self) -> TrainJobs:
+        """Every untrained job in flight not already handed to a host, with its version's payload
+        (one object for all of them): to train before the next window's plan those that could
+        arrive before its first step's K-th arrival or before a job dispatched in the window could
+        (:meth:`plan` stops at the first step that needs an untrained job); the others after its
+        folds, while the server aggregates."""
+        tl = self.timeline
         needed = set(tl.needed(self.training))
+        horizon = tl.now + self.least_any  # no job dispatched from now on arrives before it
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
+        needed.update(c for c, _ in jobs if tl.earliest.get(c, tl.in_flight[c].start) < horizon)
         self.training.update(c for c, _ in jobs if c not in needed)
-        payloads = {v: box(_put(self.versions[v])) for v in sorted({v for _, v in jobs})}
+        payloads = box(_put({v: self.versions[v] for v in sorted({v for _, v in jobs})}))
         return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed],
                          trainers={c: self.trainers[c] for c, _ in jobs if c in self.trainers})
 
-    def _least_seconds(self, client: int, bytes_down: int) -> float:
-        """A lower bound of a job's simulated duration: its model's download at its bandwidth (the
-        clock adds compute and upload; nothing where the client's device may not hold the model:
-        it arrives at once)."""
-        profile = self.fed.profile(client)
-        return 0.0 if "memory_mb" in profile else device_time(profile, 0.0, bytes_down, 0)[1]
+    def _least_seconds(self, client: int) -> float:
+        """A lower bound of a job's simulated duration: the transfer of its model's download and of
+        the least its method's upload sends (``Method.upload_floor``; the clock adds compute), at
+        its bandwidths, a hair under (the timeline refuses a job that takes less); nothing where the
+        client's device may not hold the model: it arrives at once."""
+        return self._floor_seconds(self.fed.profile(client))
 
-    def step(self, *durations: dict[int, float]) -> StepPlan:
-        """Record the trained jobs' simulated durations (a dict from each host) and take the next
-        server step's arrivals (raysim.engine.timeline): which clients fold with which staleness
-        weight, which are dropped."""
+    def _floor_seconds(self, profile: dict) -> float:
+        if "memory_mb" in profile:
+            return 0.0
+        return device_time(profile, 0.0, self.down_floor, self.up_floor)[1] * (1 - 1e-9)
+
+    def plan(self, rnd: int, max_steps: int, since: float, *trained: tuple[dict[int, float], list[int]]) -> list[StepPlan]:
+        """Record the trained jobs' simulated durations (and the clients whose record they changed:
+        from now on they train on their owner), then take server steps ``rnd``, ``rnd + 1``, ... (at
+        most ``max_steps``) while every arrival a step needs is known: which clients fold with which
+        staleness weight, which are dropped, and after each step but the run's last the free slots
+        dispatched at its time. It stops after a step that crosses an ``eval.every_s`` boundary
+        (``since``: the simulated time at the last step) or reaches ``stop.sim_hours``, where the
+        driver evaluates or stops. The steps are those one call per step would take."""
         tl = self.timeline
-        for c, seconds in sorted(((c, s) for part in durations for c, s in part.items())):
-            tl.trained(int(c), seconds)
-            self.training.discard(int(c))
-        step = tl.step()
-        s = self.buffered.staleness
-        folded = [(a.job.client, s.weight(a.staleness), a.staleness, a.job.version) for a in step.folded]
-        arrived = [a.job.client for a in step.folded + step.dropped]
-        return StepPlan(version=step.version, time=step.time, folded=folded,
-                        dropped=[(a.job.client, a.staleness) for a in step.dropped],
-                        trainers={c: self.trainers.pop(c) for c in arrived if c in self.trainers})
+        for durations, changed in trained:
+            for c, seconds in sorted(durations.items()):
+                tl.trained(int(c), seconds)
+                self.training.discard(int(c))
+            self.pinned.update(int(c) for c in changed)
+        plans, s = [], self.buffered.staleness
+        for r in range(rnd, rnd + max_steps):
+            if r > rnd and (not tl.in_flight or tl.needed()):
+                break  # the next step needs a job that has not trained (one this window dispatched)
+            step = tl.step()
+            arrived = [a.job.client for a in step.folded + step.dropped]
+            plan = StepPlan(version=step.version, time=step.time,
+                            folded=[(a.job.client, s.weight(a.staleness), a.staleness, a.job.version)
+                                    for a in step.folded],
+                            dropped=[(a.job.client, a.staleness) for a in step.dropped],
+                            trainers={c: self.trainers.pop(c) for c in arrived if c in self.trainers},
+                            in_flight=len(tl.in_flight))
+            plan.dispatched = self._fill_slots() if r < self.cfg.rounds else 0
+            plans.append(plan)
+            if self._evaluated_after(since, step.time):
+                break
+            since = step.time
+        return plans
 
-    def aggregate_buffered(self, rnd: int, plan: StepPlan, *host_results: HostRoundResult) -> RoundSummary:
-        """Server step ``rnd`` of a buffered schedule: the method's ``buffered_step`` over the hosts'
-        folded deltas (raysim.core.buffered), then the versions no job in flight needs are dropped;
-        unless it was the last step, the free slots are dispatched at its time (:meth:`dispatch`),
-        the new jobs in the summary, so the next step needs no call of its own to learn them."""
+    def _evaluated_after(self, before: float, now: float) -> bool:
+        """Whether the driver evaluates (or stops) after a step at ``now`` by the simulated clock."""
+        every_s, hours = self.cfg.eval.every_s, self.cfg.stop.sim_hours
+        return (every_s is not None and now // every_s > before // every_s) or (hours is not None and now >= hours * 3600)
+
+    def aggregate_buffered(self, rnd: int, plans: list[StepPlan], *host_results: list[HostRoundResult]) -> list[RoundSummary]:
+        """Server steps ``rnd``, ``rnd + 1``, ... of a window (:meth:`plan`), each the method's
+        ``buffered_step`` over the hosts' folded deltas (raysim.core.buffered) and the payload of the
+        version its dispatch trains from; then the versions no job in flight needs are dropped. Unless
+        the window ended the run, the last summary carries the jobs to train next, so the next
+        window needs no call of its own to learn them."""
+        summaries = [self._buffered_step(rnd + i, plan, [r[i] for r in host_results]) for i, plan in enumerate(plans)]
+        live = {j.version for j in self.timeline.in_flight.values()}
+        self.versions = {v: p for v, p in self.versions.items() if v in live}
+        if rnd + len(plans) - 1 < self.cfg.rounds:
+            summaries[-1].next_jobs = self._jobs_to_train()
+        return summaries
+
+    def _buffered_step(self, rnd: int, plan: StepPlan, host_results: list[HostRoundResult]) -> RoundSummary:
         results = sorted(host_results, key=lambda r: r.host)
         reduced = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
@@ -338,22 +410,21 @@ class Server:
                                       staleness={c: tau for c, _, tau, _ in plan.folded},
                                       bases={c: self.versions[v]["global"] for c, _, _, v in plan.folded})
             self.state = self.method.buffered_step(self.state, uploads, rnd)
-        live = {j.version for j in self.timeline.in_flight.values()}
-        self.versions = {v: p for v, p in self.versions.items() if v in live}
         clients = sorted(metrics)
         losses = [metrics[c]["loss"] for c in clients if "loss" in metrics[c]]
         taus = [tau for _, _, tau, _ in plan.folded]
         clock = {"sim_time": plan.time, "folded": float(len(plan.folded)), "dropped_stale": float(len(plan.dropped)),
                  "staleness_mean": float(np.mean(taus)) if taus else math.nan,
-                 "staleness_max": float(max(taus, default=0)), "in_flight": float(len(self.timeline.in_flight))}
-        bytes_down, self.unreported_down = self.unreported_down, 0  # this step's; the dispatch below adds the next's
-        next_jobs = self.dispatch() if rnd < self.cfg.rounds else None
+                 "staleness_max": float(max(taus, default=0)), "in_flight": float(plan.in_flight)}
+        bytes_down, self.unreported_down = self.unreported_down, 0  # this step's; its dispatch's are the next's
+        if plan.dispatched:
+            self._payload_for(plan.version, plan.dispatched)
         return RoundSummary(round=rnd, clients=clients, train_loss=float(np.mean(losses)) if losses else math.nan,
                             client_metrics=metrics, bytes_up=sum(r.bytes_up for r in results),
                             server_metrics={**self.method.server_metrics(self.state),
                                             **stage_metrics_of(self.stages, rnd, stage_metrics)}, clock=clock,
                             bytes_down=bytes_down, host_seconds={r.host: r.seconds for r in results},
-                            records_for_owner=moved_records, next_jobs=next_jobs)
+                            records_for_owner=moved_records)
 
     # ------------------------------------------------------------------ checkpoints and recovery
     def ping(self) -> bool:

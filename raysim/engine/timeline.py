@@ -14,11 +14,16 @@ not count towards K. When nothing is left in flight the server steps with the up
 (fewer than K). Only then may a step take fewer than K.
 
 A step needs the duration of every job whose arrival could be among its K: each job in flight
-has an earliest arrival known at dispatch (its start plus a lower bound of its duration, the
-download of its model at its bandwidth), and a job whose earliest arrival comes after the K-th
-folded arrival of the jobs already trained cannot be among them, so it may train later (after
-this step, while the server aggregates). The step is the one every duration would give; nothing
-depends on real time.
+has an earliest arrival known at dispatch (its start plus a lower bound of its duration: the
+download of its model and the least its method uploads, at its bandwidths), and a job whose
+earliest arrival comes after the K-th folded arrival of the jobs already trained cannot be among
+them, so it may train later. The step is the one every duration would give; nothing depends on
+real time. A job that takes less than its bound is refused (:meth:`Timeline.trained`).
+
+Since a dispatch needs only the timeline, never the model, the server plans a window of steps in
+one call: as many as come before any untrained job could arrive (raysim.engine.server.Server.plan);
+the hosts fold them in one call and the server aggregates them in one, so the calls and transfers
+of a step are paid once per window.
 A client is never in flight twice, and a client dispatched at version v trains with the draws
 keyed as round v + 1: with C = K = clients per round and every client fresh, the draws are the
 synchronous round's.
@@ -117,6 +122,12 @@ class Timeline:
             raise KeyError(f"client {client} is not in flight")
         if not seconds >= 0 or math.isinf(seconds):
             raise ValueError(f"client {client}: a duration of {seconds} simulated seconds")
+        job = self.in_flight[client]
+        if job.start + seconds < self.earliest.get(client, job.start):
+            raise RuntimeError(f"client {client}'s job took {seconds} simulated seconds, under the lower bound "
+                               f"{self.earliest[client] - job.start} its dispatch promised (its transfers): steps "
+                               "planned with that bound could have missed its arrival; is the method's upload "
+                               "smaller than its Method.upload_floor?")
         self.durations[client] = float(seconds)
 
     @property

@@ -107,10 +107,11 @@ def test_a_resumed_buffered_run_retrains_its_jobs_in_flight_to_the_same_metrics(
 
 @pytest.mark.slow  # one more federation in process (~15 s): make test-slow
 def test_steps_taken_before_every_job_trained_are_those_every_duration_gives(in_process, tmp_path, monkeypatch):
-    """With no lower bound of a duration every job trains before the next step; the metrics are
-    the same as with the bounds (a bound above a real duration would let a step miss an arrival)."""
+    """With no lower bound of a duration every job trains before the next step, and every window
+    is one step; the metrics are the same as with the bounds (a bound above a real duration would
+    let a step miss an arrival)."""
     from raysim.engine.server import Server
-    monkeypatch.setattr(Server, "_least_seconds", lambda self, client, bytes_down: 0.0)
+    monkeypatch.setattr(Server, "_floor_seconds", lambda self, profile: 0.0)
     assert run(tmp_path, backend=InProcess()).equals(in_process[1])
 
 
@@ -151,29 +152,83 @@ def test_the_servers_timeline_on_a_toy_clock_by_hand():
     """Four clients in flight, K = 2, durations chosen by hand: arrivals in (finish, client) order,
     versions, staleness and s(τ) = 1/√(1+τ) as computed here; new clients dispatched at step times."""
     from raysim.engine.server import Server
-    server = Server(cfg("clients_per_round=4"))
+    server = Server(cfg("clients_per_round=4", "rounds=100"))
     server.start()
+    tl = server.timeline
     work = server.dispatch()  # version 0 at t = 0: four clients drawn
     first = [c for c, _ in work.jobs]
     assert len(first) == 4 and {v for _, v in work.jobs} == {0}
     a, b, c, d = first
     durations = {a: 5.0, b: 1.0, c: 3.0, d: 1.0}  # b and d tie at 1 s: the lower id first
-    plan = server.step(durations)
+    plan, = server.plan(1, 1, 0.0, (durations, []))
     assert [(cl, s, tau, v) for cl, s, tau, v in plan.folded] == [(min(b, d), 1.0, 0, 0), (max(b, d), 1.0, 0, 0)]
-    assert (plan.version, plan.time) == (1, 1.0)
-    work = server.dispatch()  # two free slots refilled at t = 1 s from version 1, never a client in flight
-    new = [cl for cl, _ in work.jobs]
-    assert len(new) == 2 and not set(new) & {a, c} and {v for _, v in work.jobs} == {1}
-    plan = server.step({new[0]: 0.5, new[1]: 4.0})  # arrivals: new[0] at 1.5, c at 3, new[1] at 5, a at 5
+    assert (plan.version, plan.time, plan.in_flight, plan.dispatched) == (1, 1.0, 2, 2)
+    # two free slots refilled at t = 1 s from version 1, never a client in flight
+    new = tl.waiting_on
+    assert len(new) == 2 and not set(new) & {a, c} and {tl.in_flight[cl].version for cl in new} == {1}
+    plan, = server.plan(2, 1, 1.0, ({new[0]: 0.5, new[1]: 4.0}, []))  # arrivals: new[0] at 1.5, c at 3, new[1] at 5, a at 5
     assert [(cl, tau) for cl, _, tau, _ in plan.folded] == [(new[0], 0), (c, 1)]
     assert [s for _, s, _, _ in plan.folded] == pytest.approx([1.0, 2 ** -0.5])
     assert (plan.version, plan.time) == (2, 3.0)
-    for _ in range(30):  # thirty more steps: a dispatch never draws a client in flight
-        flying = set(server.timeline.in_flight)
-        work = server.dispatch()
-        jobs = work.jobs + work.ahead  # those the step needs and those it does not
-        assert jobs and not {cl for cl, _ in jobs} & flying
-        server.step({cl: 1.0 + cl % 3 for cl, _ in jobs})
+    for rnd in range(3, 33):  # thirty more steps: a dispatch never draws a client in flight
+        flying = set(tl.in_flight)
+        waiting = tl.waiting_on
+        plan, = server.plan(rnd, 1, tl.now, ({cl: 1.0 + cl % 3 for cl in waiting}, []))
+        still = flying - {cl for cl, *_ in plan.folded} - {cl for cl, _ in plan.dropped}
+        assert plan.dispatched and not set(tl.waiting_on) & still
+
+
+def _planned(server, max_steps: int, steps: int, seconds) -> list:
+    """``steps`` server steps planned in windows of at most ``max_steps``, every job trained (its
+    duration ``seconds(client, version)``) before each window."""
+    tl, plans = server.timeline, []
+    server.dispatch()
+    while len(plans) < steps:
+        trained = {c: seconds(c, tl.in_flight[c].version) for c in tl.waiting_on}
+        plans += server.plan(len(plans) + 1, min(max_steps, steps - len(plans)), tl.now, (trained, []))
+    return plans
+
+
+def test_a_window_of_steps_is_the_steps_one_call_each_would_take():
+    """The server plans steps ahead as long as no untrained job could arrive among a step's K
+    (each job takes at least its transfers): the same steps, dispatches and times as one step per
+    call, in fewer calls."""
+    from raysim.engine.server import Server
+
+    def server():
+        s = Server(cfg("clients_per_round=6", "schedule.buffer=2", "rounds=60"))
+        s.start()
+        return s
+
+    one = server()
+    floor = {c: one._least_seconds(c) for c in range(one.n)}  # download + the whole model's upload
+    assert min(floor.values()) > 0
+    seconds = lambda c, v: floor[c] * (1.05 + 0.3 * ((c * 7 + v) % 5))  # near the bound: steps come fast
+    by_one = _planned(one, 1, 60, seconds)
+    windowed = server()
+    by_window = _planned(windowed, 16, 60, seconds)
+    assert by_window == by_one
+    timeline = lambda s: {k: v for k, v in s.timeline.export().items() if k != "durations"}  # trained ahead or not
+    assert timeline(windowed) == timeline(one)
+    calls = 0
+    again = server()
+    tl = again.timeline
+    again.dispatch()
+    done = 0
+    while done < 60:
+        trained = {c: seconds(c, tl.in_flight[c].version) for c in tl.waiting_on}
+        done += len(again.plan(done + 1, min(16, 60 - done), tl.now, (trained, [])))
+        calls += 1
+    assert calls < 40  # windows of several steps
+
+
+def test_a_job_quicker_than_its_dispatchs_lower_bound_is_refused():
+    from raysim.engine.timeline import Timeline
+    tl = Timeline(concurrency=2, buffer=1)
+    tl.dispatch([3, 5], [2.0, 0.0])
+    tl.trained(5, 0.0)
+    with pytest.raises(RuntimeError, match="under the lower bound"):
+        tl.trained(3, 1.5)
 
 
 def test_report_and_compare_draw_accuracy_against_simulated_time(in_process, tmp_path):
