@@ -402,6 +402,8 @@ class ClientHost:
         """This host's share of server steps ``rnd``, ``rnd + 1``, ... (a window: one result each,
         one object for the driver to hand the server); the wall time it trained since the last
         window is spread evenly over them."""
+        if not plans:
+            return []
         seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0
         return [self._fold_step(plan, seconds / len(plans)) for plan in plans]
 

@@ -30,7 +30,7 @@ from raysim.engine import checkpoint, runstate
 from raysim.config import dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
-from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, box
+from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, TrainJobs, box
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
@@ -333,39 +333,45 @@ class FederationRun:
         if self._window:
             return self._window.pop(0)
         summaries = self._buffered_window(rnd)
+        while not summaries:  # its first step needed jobs left to train after the last window's: they have now
+            summaries = self._buffered_window(rnd, again=True)
         self._window = summaries[1:]
         return summaries[0]
 
-    def _buffered_window(self, rnd: int) -> list[RoundSummary]:
+    def _buffered_window(self, rnd: int, again: bool = False) -> list[RoundSummary]:
         """Server steps ``rnd``, ``rnd + 1``, ... in one pass: the jobs dispatched by the last
         window (the first window and the first after a restore ask the server) that its first step
         could need, trained; the server plans as many steps as need no job still untrained (each
         step's dispatch included) and never past a step the driver evaluates or checkpoints after;
         the hosts fold them and the server aggregates them, while the hosts train the jobs it did
         not need. The calls are chained (each takes the refs of the ones before), so the driver
-        waits once per window; nothing here depends on which host answers first."""
+        waits once per window; nothing here depends on which host answers first. ``again``: the
+        last call planned no step (it needed the jobs it left to train): no new jobs to train."""
         server, hosts = self.server, self.hosts
         self.doing = f"server step {rnd}"
         jobs, self._next_jobs = self._next_jobs, None
-        if jobs is None:
+        if again:
+            jobs = TrainJobs([], box(None))
+        elif jobs is None:
             jobs = self._call(server.dispatch.remote())
         trained = [hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(hosts))]
         if self._untrained_ahead is not None:  # the last window thought it might end the run
             trained += [hosts[h].train_jobs.remote(self._untrained_ahead, True)
                         for h in self._untrained_ahead.hosts(len(hosts), ahead=True)]
             self._untrained_ahead = None
-        steps = self._window_steps(rnd)
-        plans = server.plan.remote(rnd, steps, self.sim_time, *self._training_ahead, *trained)
+        plans = server.plan.remote(rnd, self._window_steps(rnd), self.sim_time, *self._training_ahead, *trained)
         folds = [host.fold.remote(rnd, plans) for host in hosts]
         # the jobs the window did not need train while the server aggregates; the next window reads
-        # them (none after a window that may end the run: its jobs in flight would train for nothing)
+        # them (none after the run's last step: its jobs in flight would train for nothing). The
+        # driver reads the plan (a few numbers) to know; the hosts wait for it anyway.
         self._training_ahead = []
-        if rnd + steps - 1 < self.cfg.rounds:
+        if rnd + len(self._call(plans)) - 1 < self.cfg.rounds:
             self._training_ahead = [hosts[h].train_jobs.remote(jobs, True) for h in jobs.hosts(len(hosts), ahead=True)]
         elif jobs.ahead:
             self._untrained_ahead = jobs
         summaries: list[RoundSummary] = self._call(server.aggregate_buffered.remote(rnd, plans, *folds))
-        self._next_jobs, summaries[-1].next_jobs = summaries[-1].next_jobs, None
+        if summaries:
+            self._next_jobs, summaries[-1].next_jobs = summaries[-1].next_jobs, None
         # records a job left away from its owner (raysim.engine.balance.job_trainers) go home, queued
         # on the owner before that client's next job (which trains there) and before any checkpoint
         # reads the owner's store; the driver reads their answers a window later, when they are done

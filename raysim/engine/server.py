@@ -28,6 +28,9 @@ from raysim.core.tensors import tensors_nbytes
 
 
 BUFFERED_KEY = "buffered_schedule"  # where a checkpoint's server state keeps the timeline
+# a window's plan that found its first step needing a job left to train after the last folds (the
+# driver asks again once it trained) leaves no job to train then for this many windows
+AHEAD_PAUSE = 8
 STAGES_KEY = "stages"  # where a checkpoint's server state keeps the stages' state (the adaptive clip)
 
 
@@ -94,6 +97,7 @@ class Server:
         self.training: set[int] = set()  # clients handed to the hosts to train after a step, durations not in yet
         self.pinned: set[int] = set()  # clients whose owner keeps a record other than their initial one
         self.trainers: dict[int, int] = {}  # client in flight -> the host that trains its job (absent: its owner)
+        self.ahead_paused = 0  # windows left whose jobs all train before the next plan (scheduling only)
 
     def _initial_state(self) -> dict:
         """The method's initial server state, and the selection's where it keeps one."""
@@ -315,15 +319,18 @@ class Server:
 
     def _jobs_to_train(self) -> TrainJobs:
         """Every untrained job in flight not already handed to a host, with its version's payload
-        (one object for all of them): to train before the next window's plan those that could
-        arrive before its first step's K-th arrival or before a job dispatched in the window could
-        (:meth:`plan` stops at the first step that needs an untrained job); the others after its
-        folds, while the server aggregates."""
+        (one object for all of them): to train before the next window's plan, those that could
+        arrive before any job dispatched from now on could; the others (in steady state the last
+        step's dispatch) after its folds, while the server aggregates. They cannot shorten the next
+        window, which stops before any untrained job could arrive (:meth:`plan`); where its first
+        step needs one of them after all, the plan is empty and they train before the next."""
         tl = self.timeline
-        needed = set(tl.needed(self.training))
         horizon = tl.now + self.least_any  # no job dispatched from now on arrives before it
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
-        needed.update(c for c, _ in jobs if tl.earliest.get(c, tl.in_flight[c].start) < horizon)
+        needed = {c for c, _ in jobs if tl.earliest.get(c, tl.in_flight[c].start) < horizon}
+        if self.ahead_paused or len(tl.in_flight) - (len(jobs) - len(needed)) < tl.buffer:
+            needed = {c for c, _ in jobs}  # the others cannot make a step, or lately could not
+        self.ahead_paused = max(0, self.ahead_paused - 1)
         self.training.update(c for c, _ in jobs if c not in needed)
         payloads = box(_put({v: self.versions[v] for v in sorted({v for _, v in jobs})}))
         return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed],
@@ -357,8 +364,10 @@ class Server:
             self.pinned.update(int(c) for c in changed)
         plans, s = [], self.buffered.staleness
         for r in range(rnd, rnd + max_steps):
-            if r > rnd and (not tl.in_flight or tl.needed()):
-                break  # the next step needs a job that has not trained (one this window dispatched)
+            if tl.needed():  # the next step needs a job that has not trained (one this window dispatched)
+                if not plans:  # one left to train after the last window's folds: none for a while
+                    self.ahead_paused = AHEAD_PAUSE
+                break
             step = tl.step()
             arrived = [a.job.client for a in step.folded + step.dropped]
             plan = StepPlan(version=step.version, time=step.time,
@@ -388,7 +397,7 @@ class Server:
         summaries = [self._buffered_step(rnd + i, plan, [r[i] for r in host_results]) for i, plan in enumerate(plans)]
         live = {j.version for j in self.timeline.in_flight.values()}
         self.versions = {v: p for v, p in self.versions.items() if v in live}
-        if rnd + len(plans) - 1 < self.cfg.rounds:
+        if summaries and rnd + len(plans) - 1 < self.cfg.rounds:
             summaries[-1].next_jobs = self._jobs_to_train()
         return summaries
 
