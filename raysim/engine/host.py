@@ -149,6 +149,7 @@ class ClientHost:
         # metrics, bytes sent), until the server step that folds (or drops) it; the record is stored
         # only then, so a checkpoint between holds the record the job trained from
         self._jobs: dict[int, tuple] = {}
+        self._payloads = None  # (key, the last window's payloads by version, those moved to the device)
         self.evaluator = Evaluator(cfg, self.fed, self.model, self._init_sd, self.data, self.device, self._record)
         return self.ready()
 
@@ -359,15 +360,11 @@ class ClientHost:
         :meth:`fold`; returns each job's simulated duration (the clock's compute and transfer) and
         the clients whose record the job changed (they train on their owner from now on)."""
         t0 = time.perf_counter()
-        on_device, durations, changed = {}, {}, []
-        payloads = None
+        durations, changed = {}, []
         for cid, version in sorted(work.ahead if ahead else work.jobs):
             if work.trainers.get(cid, cid % self.num_hosts) != self.host_id:  # another host trains it
                 continue
-            if version not in on_device:  # each version's payload to the device once per call
-                payloads = unbox(work.payloads) if payloads is None else payloads
-                on_device[version] = to_device(payloads[version], self.device, what="payload")
-            mine, rnd = on_device[version], version + 1
+            mine, rnd = self._job_payload(work.payloads, version), version + 1
             if not self.clock.fits(cid):  # it cannot train this model: arrives with nothing to fold
                 self._jobs[cid] = (None, None, ClientClock.dropped_metrics(), 0)
                 durations[cid] = 0.0
@@ -397,6 +394,18 @@ class ClientHost:
                 changed.append(cid)
         self._job_seconds = getattr(self, "_job_seconds", 0.0) + time.perf_counter() - t0
         return durations, changed
+
+    def _job_payload(self, payloads_box: list, version: int) -> dict:
+        """Version ``version``'s payload on this host's device: a window's payloads (one object)
+        are fetched and moved once, however many calls train its jobs (those before the plan and
+        those after the folds)."""
+        key = payloads_box[0].hex() if hasattr(payloads_box[0], "hex") else id(payloads_box[0])
+        if self._payloads is None or self._payloads[0] != key:
+            self._payloads = (key, unbox(payloads_box), {})
+        _, fetched, on_device = self._payloads
+        if version not in on_device:
+            on_device[version] = to_device(fetched[version], self.device, what="payload")
+        return on_device[version]
 
     def fold(self, rnd: int, plans: list[StepPlan]) -> list[HostRoundResult]:
         """This host's share of server steps ``rnd``, ``rnd + 1``, ... (a window: one result each,
