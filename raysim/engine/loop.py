@@ -110,6 +110,7 @@ class FederationRun:
         self._window: list[RoundSummary] = []  # buffered: the summaries of the window's steps still to log
         self._queued = False  # buffered: the last step came from a window, which its first step's time paid
         self._untrained_ahead = None  # buffered: jobs the last window left untrained (it might have ended the run)
+        self._next_trained = None  # buffered: the hosts' calls already training the next window's first jobs
 
     # ------------------------------------------------------------------ lifecycle
     def run(self, resume: bool = False) -> FederationResult:
@@ -350,11 +351,13 @@ class FederationRun:
         server, hosts = self.server, self.hosts
         self.doing = f"server step {rnd}"
         jobs, self._next_jobs = self._next_jobs, None
+        trained, self._next_trained = self._next_trained, None
         if again:
-            jobs = TrainJobs([], box(None))
+            jobs, trained = TrainJobs([], box(None)), []
         elif jobs is None:
             jobs = self._call(server.dispatch.remote())
-        trained = [hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(hosts))]
+        if trained is None:
+            trained = self._train_needed(jobs)
         if self._untrained_ahead is not None:  # the last window thought it might end the run
             trained += [hosts[h].train_jobs.remote(self._untrained_ahead, True)
                         for h in self._untrained_ahead.hosts(len(hosts), ahead=True)]
@@ -381,7 +384,16 @@ class FederationRun:
                             for h, cids in split_by_host(going_home, self.owner).items()]
         for s in summaries:
             s.records_for_owner = {}
+        # the next window's first jobs start now, while the driver logs this window's steps (and
+        # evaluates or checkpoints after its last: those calls queue behind them on the hosts)
+        hours = self.cfg.stop.sim_hours
+        if self._next_jobs is not None and (hours is None or summaries[-1].clock["sim_time"] < hours * 3600):
+            self._next_trained = self._train_needed(self._next_jobs)
         return summaries
+
+    def _train_needed(self, jobs: TrainJobs) -> list:
+        """The hosts' calls that train the jobs a window's plan may need (``jobs.jobs``)."""
+        return [self.hosts[h].train_jobs.remote(jobs) for h in jobs.hosts(len(self.hosts))]
 
     def _window_steps(self, rnd: int) -> int:
         """The most steps a window from ``rnd`` may take: up to the next step the driver evaluates
@@ -563,7 +575,7 @@ class FederationRun:
 
     def _restore(self, ckpt: dict | None) -> int:
         self.state_bytes, self._training_ahead, self._homecoming, self._next_jobs = {}, [], [], None
-        self._window, self._untrained_ahead = [], None
+        self._window, self._untrained_ahead, self._next_trained = [], None, None
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0
