@@ -407,10 +407,10 @@ class ClientHost:
             on_device[version] = to_device(fetched[version], self.device, what="payload")
         return on_device[version]
 
-    def fold(self, rnd: int, plans: list[StepPlan]) -> list[HostRoundResult]:
-        """This host's share of server steps ``rnd``, ``rnd + 1``, ... (a window: one result each,
-        one object for the driver to hand the server); the wall time it trained since the last
-        window is spread evenly over them."""
+    def fold(self, plans: list[StepPlan]) -> list[HostRoundResult]:
+        """This host's share of a window's server steps (one result each, one object for the driver
+        to hand the server); the wall time it trained since the last window is spread evenly over
+        them."""
         if not plans:
             return []
         seconds, self._job_seconds = getattr(self, "_job_seconds", 0.0), 0.0

@@ -109,7 +109,6 @@ class FederationRun:
         self._next_jobs = None  # buffered: the jobs the last step dispatched (None: ask the server)
         self._window: list[RoundSummary] = []  # buffered: the summaries of the window's steps still to log
         self._queued = False  # buffered: the last step came from a window, which its first step's time paid
-        self._untrained_ahead = None  # buffered: jobs the last window left untrained (it might have ended the run)
         self._next_trained = None  # buffered: the hosts' calls already training the next window's first jobs
 
     # ------------------------------------------------------------------ lifecycle
@@ -358,20 +357,14 @@ class FederationRun:
             jobs = self._call(server.dispatch.remote())
         if trained is None:
             trained = self._train_needed(jobs)
-        if self._untrained_ahead is not None:  # the last window thought it might end the run
-            trained += [hosts[h].train_jobs.remote(self._untrained_ahead, True)
-                        for h in self._untrained_ahead.hosts(len(hosts), ahead=True)]
-            self._untrained_ahead = None
         plans = server.plan.remote(rnd, self._window_steps(rnd), self.sim_time, *self._training_ahead, *trained)
-        folds = [host.fold.remote(rnd, plans) for host in hosts]
+        folds = [host.fold.remote(plans) for host in hosts]
         # the jobs the window did not need train while the server aggregates; the next window reads
         # them (none after the run's last step: its jobs in flight would train for nothing). The
         # driver reads the plan (a few numbers) to know; the hosts wait for it anyway.
         self._training_ahead = []
         if rnd + len(self._call(plans)) - 1 < self.cfg.rounds:
             self._training_ahead = [hosts[h].train_jobs.remote(jobs, True) for h in jobs.hosts(len(hosts), ahead=True)]
-        elif jobs.ahead:
-            self._untrained_ahead = jobs
         summaries: list[RoundSummary] = self._call(server.aggregate_buffered.remote(rnd, plans, *folds))
         if summaries:
             self._next_jobs, summaries[-1].next_jobs = summaries[-1].next_jobs, None
@@ -575,7 +568,7 @@ class FederationRun:
 
     def _restore(self, ckpt: dict | None) -> int:
         self.state_bytes, self._training_ahead, self._homecoming, self._next_jobs = {}, [], [], None
-        self._window, self._untrained_ahead, self._next_trained = [], None, None
+        self._window, self._next_trained = [], None
         if ckpt is None:
             self.log = MetricsLog()
             self.sim_time = 0.0

@@ -394,14 +394,14 @@ class Server:
         version its dispatch trains from; then the versions no job in flight needs are dropped. Unless
         the window ended the run, the last summary carries the jobs to train next, so the next
         window needs no call of its own to learn them."""
-        summaries = [self._buffered_step(rnd + i, plan, [r[i] for r in host_results]) for i, plan in enumerate(plans)]
+        summaries = [self._aggregate_step(rnd + i, plan, [r[i] for r in host_results]) for i, plan in enumerate(plans)]
         live = {j.version for j in self.timeline.in_flight.values()}
         self.versions = {v: p for v, p in self.versions.items() if v in live}
         if summaries and rnd + len(plans) - 1 < self.cfg.rounds:
             summaries[-1].next_jobs = self._jobs_to_train()
         return summaries
 
-    def _buffered_step(self, rnd: int, plan: StepPlan, host_results: list[HostRoundResult]) -> RoundSummary:
+    def _aggregate_step(self, rnd: int, plan: StepPlan, host_results: list[HostRoundResult]) -> RoundSummary:
         results = sorted(host_results, key=lambda r: r.host)
         reduced = self.method.aggregator.reduce([r.uploads for r in results])
         metrics = {c: m for r in results for c, m in r.client_metrics.items()}
