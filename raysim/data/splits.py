@@ -238,7 +238,8 @@ class FileSplit(DecodedSplit):
                 a = np.asarray(im, dtype=np.uint8)
         except FileNotFoundError:
             raise UserError(f"image file {path} is missing (listed by the dataset)") from None
-        except (UnidentifiedImageError, OSError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            # an image larger than Pillow's limit (Image.MAX_IMAGE_PIXELS) is the dataset's too
             raise UserError(f"image file {path} cannot be decoded: {e}") from None
         if self.cache_images:
             self._decoded[i] = a

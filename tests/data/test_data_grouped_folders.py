@@ -158,3 +158,17 @@ def test_manifest_errors_name_the_file_and_line(tmp_path, manifest_rows):
         sp.images([k])
     with pytest.raises(UserError, match="does not exist"):
         load("manifest", root=tmp_path / "absent.csv")
+
+
+def test_an_image_over_pillows_size_limit_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Pillow refuses an image of more than twice Image.MAX_IMAGE_PIXELS pixels (a decompression
+    bomb) with its own exception, not an OSError: a user error naming the file, as the Parquet
+    split already said."""
+    from raysim.data.splits import FileSplit
+    path = tmp_path / "huge.png"
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(path)
+    split = FileSplit([str(path)], [0], image_size=8, mean=(0.5,) * 3, std=(0.5,) * 3)
+    assert split.images([0]).shape == (1, 8, 8, 3)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 256 pixels: over twice the limit
+    with pytest.raises(UserError, match=r"image file .*huge.png cannot be decoded: Image size \(256 pixels\)"):
+        split.images([0])
