@@ -61,6 +61,7 @@ SPLIT_NAMES = {"train": "train", "validation": "val", "valid": "val", "val": "va
 _SPLIT_IN_NAME = re.compile(r"^(train|validation|valid|val|dev|test)(?:[-_.]|$)", re.IGNORECASE)
 # Parquet row groups kept after a read, by bytes: a client's batches revisit the same few groups
 CHUNK_CACHE_BYTES = int(os.environ.get("RAYSIM_CHUNK_CACHE_MB", "64")) * 2**20
+MAX_OPEN_FILES = 64  # data files a process keeps open (least recently read closed first): one per user is common
 
 
 def _is_ipc_file_format(path: str) -> bool:
@@ -78,7 +79,7 @@ class ArrowFiles:
         self.paths, self.kinds = list(paths), list(kinds)
         self.bounds = [read_only(np.asarray(b, dtype=np.int64)) for b in bounds]  # chunk row starts, + end
         self.image_column, self.image_kind = image_column, image_kind
-        self._open: dict[int, object] = {}
+        self._open: collections.OrderedDict = collections.OrderedDict()  # file -> its reader, most recent last
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()  # a host may cut batches for several clients at once
@@ -91,8 +92,12 @@ class ArrowFiles:
         return np.searchsorted(self.bounds[file], rows, side="right") - 1
 
     def _handle(self, file: int):
+        """The file's reader, opened on first use; at most MAX_OPEN_FILES stay open (a dataset of a
+        file per user would otherwise hold thousands of descriptors in every host)."""
         h = self._open.get(file)
-        if h is None:
+        if h is not None:
+            self._open.move_to_end(file)
+        else:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
@@ -107,6 +112,10 @@ class ArrowFiles:
             except (OSError, pa.ArrowException) as e:
                 raise UserError(f"parquet: data file {path} cannot be read any more: {e}") from None
             self._open[file] = h
+            while len(self._open) > MAX_OPEN_FILES:
+                _, oldest = self._open.popitem(last=False)
+                if hasattr(oldest, "close"):  # a ParquetFile: its descriptor now (a memory map goes with its data)
+                    oldest.close()
         return h
 
     def chunk(self, file: int, chunk: int):
@@ -135,7 +144,7 @@ class ArrowFiles:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_open"], state["_cache"], state["_cached_bytes"] = {}, collections.OrderedDict(), 0
+        state["_open"], state["_cache"], state["_cached_bytes"] = collections.OrderedDict(), collections.OrderedDict(), 0
         del state["_lock"]
         return state
 

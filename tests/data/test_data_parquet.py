@@ -202,3 +202,24 @@ def test_a_ray_worker_reads_its_client_from_the_shipped_split(ray_session, tmp_p
     assert [round(v * 255) for v in grey] == [4 * r for r in rows] and labels == [r % 3 for r in rows]
     assert set(reads) == {(0, int(r) // 4) for r in rows} and decoded == len(mine)
     assert not train.chunk_reads  # the driver read nothing
+
+
+def test_a_file_per_user_keeps_few_files_open(tmp_path, monkeypatch):
+    """A dataset of one Parquet file per user: a process keeps at most MAX_OPEN_FILES of them open
+    (least recently read closed), and a closed file is opened again when it is read again."""
+    import raysim.data.arrow as arrow
+    monkeypatch.setattr(arrow, "MAX_OPEN_FILES", 2)
+    monkeypatch.setattr(arrow, "CHUNK_CACHE_BYTES", 0)  # every read goes to its file
+    for u in range(5):
+        rows = {"image": [_png(40 * u + r) for r in range(4)], "label": [r % 2 for r in range(4)], "user_id": [u] * 4}
+        pq.write_table(pa.table(rows), tmp_path / f"user-{u}.parquet")
+    ds = load("parquet", root=tmp_path, image_size=8, split_by="group", val_fraction=0.0, test_fraction=0.0)
+    train = ds.split(tmp_path.name, "train")
+    files = train.files
+    order = np.argsort(train.groups, kind="stable")
+    for _ in range(2):  # every user's rows in turn, twice: files 0..4, closed and opened again
+        for u in range(5):
+            mine = order[train.groups[order] == u]
+            assert len(mine) == 4 and _grey(train, mine) == [40 * u + int(train.file_row[i]) for i in mine]
+            assert len(files._open) <= 2
+    assert sum(train.chunk_reads.values()) == 10  # five files' one row group, read twice
