@@ -40,7 +40,7 @@ from raysim.core.seeding import generator_for
 from raysim.core.stages import RESIDUAL_KEY, from_config as stages_from_config, residual_on
 from raysim.engine import wire
 from raysim.engine.store import ClientStateStore, same_record, state_nbytes
-from raysim.core.tensors import keep_state_on, tensors_nbytes, to_device
+from raysim.core.tensors import keep_state_on, load_tensors, tensors_nbytes, to_device
 
 
 def pick_device(gpu_ids) -> torch.device:
@@ -169,7 +169,7 @@ class ClientHost:
     def _initial_record(self, cid: int, record: dict | None) -> dict:
         """``record``, or (None: the client has no state yet) its initial one."""
         if record is None:
-            self.model.load_state_dict(self._init_sd)
+            load_tensors(self.model, self._init_sd)  # load_state_dict's values, without its per-module walk
             record = {"state": self.method.init_client_state(cid, self.model)}
         return record
 
