@@ -57,15 +57,18 @@ def test_live_table_in_a_terminal_one_line_per_federation_updated_in_place(tmp_p
         assert log.exists(), f"raysim run did not finish in time:\n{history}"
         assert log.read_text().strip() == "0", history
 
-        # while it runs: exactly one line per federation in every capture, the round advancing
+        # while it runs: one line per federation in every capture from its start on (a federation's
+        # row appears when its thread starts it, the other's maybe a capture later), the round advancing
         live = [c for c in captures if rows(c, "fedavg") or rows(c, "fedbn")]
         assert len(live) >= 3, f"the live table was never seen:\n{history}"
         rounds = {m: [] for m in ("fedavg", "fedbn")}
         for screen in live:
             for method in rounds:
                 lines = rows(screen, method)
-                assert len(lines) == 1, f"{method}: {len(lines)} lines on one screen:\n{screen}"
-                rounds[method].append(int(re.search(rf"(\d+)/{ROUNDS}\b", lines[0]).group(1)))
+                assert len(lines) <= 1 and (lines or not rounds[method]), \
+                    f"{method}: {len(lines)} lines on one screen:\n{screen}"
+                if lines:
+                    rounds[method].append(int(re.search(rf"(\d+)/{ROUNDS}\b", lines[0]).group(1)))
         for method, seen in rounds.items():
             assert seen == sorted(seen) and len(set(seen)) >= 2, (method, seen)
         assert any(re.search(r"eta \d+:\d\d", c) for c in live), "no ETA shown"

@@ -20,6 +20,7 @@ from raysim.app.experiment import federation, resume_config
 from raysim.engine.backend import InProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # the colour of the "(pid=N)" prefix Ray gives forwarded worker lines
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from benchmarks.chaos import ROUND, run_under_chaos  # noqa: E402
@@ -315,6 +316,9 @@ def test_out_of_memory_at_start_up_is_one_line_naming_what_to_lower(tmp_path):
     r = subprocess.run([sys.executable, "-m", "raysim", "run", "--quiet", str(config), "--out", str(tmp_path / "run")],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+    # raysim's own output; a line a Ray worker logs while its lost actor is torn down ("(pid=N) ...
+    # core_worker.cc: Mismatched ActorID: ignoring KillActor", now and then) is Ray's, forwarded
+    ours = "".join(line for line in r.stderr.splitlines(keepends=True) if not ANSI.sub("", line).startswith("(pid="))
+    assert ours.count("\n") == 1 and ours.startswith(
         "raysim: out of memory during start-up: Ray's memory monitor killed "), r.stderr
-    assert "lower runtime.num_hosts" in r.stderr and "Traceback" not in r.stderr
+    assert "lower runtime.num_hosts" in ours and "Traceback" not in r.stderr
