@@ -185,39 +185,49 @@ class Accounting:
 class RunningEpsilon:
     """ε after each round of one run. RDP: one round's RDP curve is computed once and ε after r
     rounds read from r times it (RDP composes by addition: what ``SelfComposedDpEvent(e, r)`` does;
-    the sampled-without-replacement curve costs ~0.5 s, too much for every round). PLD: one
-    round's event composed at a time on a kept accountant (a convolution per round); a resumed
-    run's first call composes the rounds before it at once."""
+    the sampled-without-replacement curve costs ~0.5 s, too much for every round). PLD: the rounds
+    since the last call, as one privacy loss distribution built once per count of rounds (building a
+    sampled Gaussian's costs 0.5-1 s, its convolution with the kept one 30-150 ms), composed into the
+    kept distribution; a resumed run's first call composes the rounds before it at once. (Each
+    increment is composed with PLD's identity once more than an accountant would: ε within 1e-9.)"""
 
     def __init__(self, accounting: Accounting, noise_multiplier: float, delta: float):
         self.accounting, self.noise_multiplier, self.delta = accounting, noise_multiplier, delta
-        self._acc, self._rounds, self._one_round = None, 0, None
+        self._pld, self._rounds, self._one_round, self._increments = None, 0, None, {}
 
     def after(self, rounds: int) -> float:
         if rounds <= 0:
             return 0.0
         if self.noise_multiplier <= 0:
             return math.inf
-        import dp_accounting as dpa
-        event = self.accounting.round_event(self.noise_multiplier)
         if self.accounting.accountant == "rdp":
             from dp_accounting.rdp import rdp_privacy_accountant as rdp
             if self._one_round is None:
                 acc = self.accounting.fresh()
                 with quiet_absl():  # the curve's orders that do not converge are dropped, said per order
-                    acc.compose(event)
+                    acc.compose(self.accounting.round_event(self.noise_multiplier))
                 self._one_round = (acc._orders, acc._rdp.copy())  # dp-accounting keeps the curve here
             orders, curve = self._one_round
             with quiet_absl():
                 return float(rdp.compute_epsilon(orders, rounds * curve, self.delta)[0])
-        if self._acc is None or rounds < self._rounds:
-            self._acc, self._rounds = self.accounting.fresh(), 0
+        if self._pld is None or rounds < self._rounds:
+            self._pld, self._rounds = self.accounting.fresh()._pld, 0  # PLD's identity
         if rounds > self._rounds:
-            with quiet_absl():
-                self._acc.compose(dpa.SelfComposedDpEvent(event, rounds - self._rounds))
+            self._pld = self._pld.compose(self._increment(rounds - self._rounds))
             self._rounds = rounds
         with quiet_absl():
-            return float(self._acc.get_epsilon(self.delta))
+            return float(self._pld.get_epsilon_for_delta(self.delta))
+
+    def _increment(self, rounds: int):
+        """The privacy loss distribution of ``rounds`` rounds, as dp-accounting's PLD accountant
+        builds it (kept in its ``_pld``)."""
+        if rounds not in self._increments:
+            import dp_accounting as dpa
+            acc = self.accounting.fresh()
+            with quiet_absl():
+                acc.compose(dpa.SelfComposedDpEvent(self.accounting.round_event(self.noise_multiplier), rounds))
+            self._increments[rounds] = acc._pld
+        return self._increments[rounds]
 
 
 @contextmanager
