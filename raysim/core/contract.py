@@ -63,6 +63,7 @@ from raysim.core.hparams import Hparams
 from raysim.core.selection import Selection, SelectionContext  # noqa: F401  (SelectionContext: part of the contract)
 from raysim.core.server_optimizers import STATE_KEY as SERVER_OPTIMIZER_STATE
 from raysim.core.server_optimizers import resolve as resolve_server_optimizer
+from raysim.core.sgd import SGD
 from raysim.core.staleness import Staleness
 from raysim.core.tensors import Tensors, cpu_copy, load_tensors
 
@@ -295,7 +296,7 @@ class ClientContext:
         """SGD over ``params`` (the model's) at this round's lr (or ``lr``), with train.momentum
         and train.weight_decay."""
         t = self.train
-        return torch.optim.SGD(self.model.parameters() if params is None else params,
+        return SGD(self.model.parameters() if params is None else params,
                                lr=self.lr if lr is None else lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
     def batches(self, epochs: int | None = None, *, iters_per_epoch: int | None = None,
@@ -396,7 +397,7 @@ class UnseenClient:
         """SGD over ``params`` at ``lr`` (default: the last training round's), plain unless
         ``momentum`` or ``weight_decay`` are given: an adaptation's step, ``theta <- theta - lr *
         grad`` (FDSE Alg. 3), not the clients' training optimizer."""
-        return torch.optim.SGD(params, lr=self.lr if lr is None else lr, momentum=momentum, weight_decay=weight_decay)
+        return SGD(params, lr=self.lr if lr is None else lr, momentum=momentum, weight_decay=weight_decay)
 
     def step(self, loss: torch.Tensor, *optimizers: torch.optim.Optimizer, clip=None) -> None:
         """:func:`sgd_step`: zero-grad, backward, step; the gradient norm of ``clip`` (parameters)
