@@ -297,7 +297,7 @@ class ClientContext:
         and train.weight_decay."""
         t = self.train
         return SGD(self.model.parameters() if params is None else params,
-                               lr=self.lr if lr is None else lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                   lr=self.lr if lr is None else lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
     def batches(self, epochs: int | None = None, *, iters_per_epoch: int | None = None,
                 max_steps=_TRAIN_MAX_STEPS, drop_last: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

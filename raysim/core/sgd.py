@@ -28,6 +28,6 @@ class SGD(torch.optim.SGD):
     def zero_grad(self, set_to_none: bool = True) -> None:
         _ZERO_GRAD(self, set_to_none)
 
-    @torch.no_grad()  # what torch's guard sets for a non-differentiable optimizer
     def step(self, closure=None):
-        return _STEP(self, closure)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):  # what torch's guard sets
+            return _STEP(self, closure)
