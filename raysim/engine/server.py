@@ -329,9 +329,9 @@ class Server:
         tl = self.timeline
         horizon = tl.now + self.least_any  # no job dispatched from now on arrives before it
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
-        needed = {c for c, _ in jobs if tl.earliest.get(c, tl.in_flight[c].start) < horizon}
+        needed = {c for c, _ in jobs if tl.earliest_arrival(c) < horizon}
         if steps_left is not None:  # the run's last steps fold steps_left x K arrivals, no more
-            needed &= self._likely_arrivals(steps_left * tl.buffer)
+            needed &= set(tl.likely(steps_left * tl.buffer))
         if self.ahead_paused or len(tl.in_flight) - (len(jobs) - len(needed)) < tl.buffer:
             needed = {c for c, _ in jobs}  # the others cannot make a step, or lately could not
         self.ahead_paused = max(0, self.ahead_paused - 1)
@@ -339,23 +339,6 @@ class Server:
         payloads = box(_put({v: self.versions[v] for v in sorted({v for _, v in jobs})}))
         return TrainJobs([j for j in jobs if j[0] in needed], payloads, [j for j in jobs if j[0] not in needed],
                          trainers={c: self.trainers[c] for c, _ in jobs if c in self.trainers})
-
-    def _likely_arrivals(self, count: int) -> set[int]:
-        """The untrained jobs in flight likely among the next ``count`` arrivals and a step's more:
-        those whose earliest arrival is not after the (count + K)-th of the trained jobs' arrivals
-        and the untrained ones' earliest plus the most any trained one took beyond its own. A guess
-        (a job's compute is known once it trained): where it is short, the plan stops at the first
-        step that needs another job, which trains then (:meth:`plan`); the steps are the same."""
-        tl = self.timeline
-
-        def earliest(c: int) -> float:
-            return tl.earliest.get(c, tl.in_flight[c].start)
-        arrivals = {c: tl.in_flight[c].start + d for c, d in tl.durations.items()}
-        excess = max((a - earliest(c) for c, a in arrivals.items()), default=0.0)
-        keys = sorted(list(arrivals.values()) + [earliest(c) + excess for c in tl.waiting_on])
-        if len(keys) <= count + tl.buffer:
-            return set(tl.waiting_on)
-        return {c for c in tl.waiting_on if earliest(c) <= keys[count + tl.buffer - 1]}
 
     def _least_seconds(self, client: int) -> float:
         """A lower bound of a job's simulated duration: the transfer of its model's download and of

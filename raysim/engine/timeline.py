@@ -164,8 +164,27 @@ class Timeline:
         last = (folded[-1].finish, folded[-1].job.client)
         return [c for c in untrained if self._earliest(c) <= last]
 
+    def likely(self, arrivals: int) -> list[int]:
+        """The untrained clients in flight likely among the next ``arrivals`` arrivals and a step's
+        more: each whose earliest arrival is not after the (arrivals + K)-th of the trained jobs'
+        arrivals and the untrained ones' earliest plus the most any trained job took beyond its
+        own. A guess (a job's compute is known once it trained), unlike :meth:`needed`: where it is
+        short, a step finds a job it needs untrained and waits for it."""
+        known = [a.finish for a in self.arrivals()]
+        excess = max((self.in_flight[c].start + d - self.earliest_arrival(c) for c, d in self.durations.items()),
+                     default=0.0)
+        untrained = self.waiting_on
+        keys = sorted(known + [self.earliest_arrival(c) + excess for c in untrained])
+        if len(keys) <= arrivals + self.buffer:
+            return untrained
+        return [c for c in untrained if self.earliest_arrival(c) <= keys[arrivals + self.buffer - 1]]
+
+    def earliest_arrival(self, client: int) -> float:
+        """Its in-flight job's earliest arrival (its start where no bound was given)."""
+        return self.earliest.get(client, self.in_flight[client].start)
+
     def _earliest(self, client: int) -> tuple[float, int]:
-        return self.earliest.get(client, self.in_flight[client].start), client
+        return self.earliest_arrival(client), client
 
     def step(self) -> Step:
         """Take arrivals in simulated order until ``buffer`` are folded (or nothing is left in
