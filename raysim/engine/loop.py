@@ -333,8 +333,11 @@ class FederationRun:
         if self._window:
             return self._window.pop(0)
         summaries = self._buffered_window(rnd)
-        while not summaries:  # its first step needed jobs left to train after the last window's: they have now
+        if not summaries:  # its first step needed jobs left to train after the last window's: they have now
             summaries = self._buffered_window(rnd, again=True)
+        if not summaries:  # every job in flight has trained: a step must be possible (asking again would spin)
+            raise RuntimeError(f"server step {rnd}: every job in flight has trained, yet the plan takes no step "
+                               "(a job the hosts were handed came back without its duration)")
         self._window = summaries[1:]
         return summaries[0]
 

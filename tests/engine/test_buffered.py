@@ -300,6 +300,24 @@ def test_jobs_train_on_any_host_and_records_that_changed_go_home(tmp_path):
     assert seen["pinned"] == set(seen["stored"][0]) | set(seen["stored"][1])
 
 
+def test_a_plan_that_can_never_step_fails_the_run_instead_of_asking_forever(tmp_path, monkeypatch):
+    """A job handed to a host that comes back without its duration (an engine bug) leaves the
+    step's plan empty even after every job in flight trained: the run fails saying so, with its
+    traceback, rather than asking for a plan again and again."""
+    from raysim.core.errors import MethodFailed
+    from raysim.engine.host import ClientHost
+    train_jobs = ClientHost.train_jobs
+
+    def forgetful(host, work, ahead=False):
+        durations, changed = train_jobs(host, work, ahead)
+        durations.pop(min(durations, default=None), None)
+        return durations, changed
+
+    monkeypatch.setattr(ClientHost, "train_jobs", forgetful)
+    with pytest.raises(MethodFailed, match="the plan takes no step"):
+        run(tmp_path, backend=InProcess())
+
+
 @pytest.mark.slow  # two federations on Ray actors (~30 s): make test-slow
 def test_records_go_home_through_ray_as_in_one_process(ray_session, tmp_path):
     """The same run as above on Ray actors (records cross the object store and the driver)."""
