@@ -49,10 +49,11 @@ class FedAsync(FedProx):
     buffer = 1  # every arrival at once
     buffer_fixed = True
     staleness = Staleness("polynomial", a=0.5)  # s(t − τ) = (1 + t − τ)^(−a)
+    fold_staleness = False  # s weights the mix below, not the upload: the fold gives Δ itself
 
     def buffered_step(self, state: dict, uploads: BufferedUploads, step: int) -> dict:
         (client,) = uploads.clients
-        alpha_t = self.hp.alpha * uploads.scaled_weight / uploads.weight  # α · s(t − τ)
+        alpha_t = self.hp.alpha * uploads.staleness_weights[client]  # α · s(t − τ)
         x, base = state["global"], uploads.bases[client]
         new = {}
         for k, v in uploads.mean.items():  # x_new = x_τ + Δ: the client's model

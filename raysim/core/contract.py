@@ -435,6 +435,9 @@ class Method:
     buffer: ClassVar[int | None] = None
     buffer_fixed: ClassVar[bool] = False  # K is part of the method (FedAsync's 1): schedule.buffer may not change it
     staleness: ClassVar[Staleness] = Staleness("sqrt")
+    # whether the hosts fold s(τ_i)·Δ_i (FedBuff's Δ̄); False: they fold Δ_i and buffered_step
+    # applies s(τ) itself (FedAsync's mixing weight), from BufferedUploads.staleness_weights
+    fold_staleness: ClassVar[bool] = True
 
     def __init__(self, hp: Hparams, setup: Setup):
         self.hp = hp

@@ -208,8 +208,9 @@ class Stages:
         return out, state, metrics
 
     def server_buffered(self, rnd: int, reduced, state: dict, buffer: int):
-        """A buffered step's ``(mean, state, metrics)``: the folded deltas' Σ s_i Δ̃_i plus the noise,
-        divided by Σ s_i (so that the step's Δ̄ = that over the buffer's K arrivals)."""
+        """A buffered step's ``(mean, state, metrics)``: the folded deltas' Σ w_i s_i Δ̃_i plus the
+        noise, divided by Σ w_i (the step's Δ̄; raysim.core.buffered). The adaptive clip counts each
+        arrival's unclipped bit once, whatever its staleness."""
         p = self.privacy
         if p is None:
             return reduced.mean, state, {}

@@ -35,7 +35,7 @@ from raysim.engine.federation import Federation
 from raysim.core.training import evaluate
 from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, StepPlan, TrainedClients, TrainJobs,
                                     client_payload, unbox)
-from raysim.core.buffered import delta_upload
+from raysim.core.buffered import delta_upload, staleness_scaled
 from raysim.core.seeding import generator_for
 from raysim.core.stages import RESIDUAL_KEY, from_config as stages_from_config, residual_on
 from raysim.engine import wire
@@ -417,8 +417,9 @@ class ClientHost:
         return [self._fold_step(plan, seconds / len(plans)) for plan in plans]
 
     def _fold_step(self, plan: StepPlan, seconds: float) -> HostRoundResult:
-        """A server step's share of this host (the jobs it trained): their delta uploads folded
-        with weight w_i × s(τ_i), and those of its dropped jobs (arrivals too stale to fold) not;
+        """A server step's share of this host (the jobs it trained): their delta uploads scaled by
+        s(τ_i) and folded with weight w_i (raysim.core.buffered), and those of its dropped jobs
+        (arrivals too stale to fold) not;
         either way a job's new record is kept when it differs from the client's initial one, here
         for this host's own clients, else handed back to the owner through the driver."""
         def trained_here(c: int) -> bool:
@@ -427,7 +428,7 @@ class ClientHost:
         folded = [(c, s, tau) for c, s, tau, _ in plan.folded if trained_here(c)]
         dropped = [(c, tau) for c, tau in plan.dropped if trained_here(c)]
         partial = self.method.aggregator.start()
-        metrics, weights, bytes_up = {}, {}, 0
+        metrics, bytes_up = {}, 0
         kept, for_owner = [], {}
 
         def keep(cid: int, record: dict | None) -> None:
@@ -445,8 +446,8 @@ class ClientHost:
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 0.0}
             bytes_up += sent
             if up is not None:
-                self.method.aggregator.add(partial, cid, Upload(up.tensors, up.weight * scale, statistics=up.statistics))
-                weights[cid] = up.weight
+                tensors = staleness_scaled(up.tensors, scale) if self.method.fold_staleness else up.tensors
+                self.method.aggregator.add(partial, cid, Upload(tensors, up.weight, statistics=up.statistics))
         for cid, tau in sorted(dropped):
             up, record, m, sent = self._jobs.pop(cid)
             keep(cid, record)
@@ -454,7 +455,7 @@ class ClientHost:
             bytes_up += sent
         return HostRoundResult(host=self.host_id, uploads=self.method.aggregator.leave_device(partial),
                                personal_sums=None, client_metrics=metrics, bytes_up=bytes_up,
-                               seconds=seconds, weights=weights, kept=kept, records_for_owner=for_owner)
+                               seconds=seconds, kept=kept, records_for_owner=for_owner)
 
     def export_records(self, client_ids: list[int]) -> dict[int, dict]:
         """The stored records of those listed clients that have one, for another host to train them."""

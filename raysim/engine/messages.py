@@ -120,9 +120,6 @@ class HostRoundResult:
     """Bytes of personal tensors gathered only to build the global evaluation model."""
     seconds: float = 0.0
     """Wall seconds the host spent training this round."""
-    weights: dict[int, float] = field(default_factory=dict)
-    """Buffered schedule: each folded client's weight w_i before its staleness weight (Σ w_i is
-    FedBuff's denominator; raysim.core.buffered)."""
     kept: list[int] = field(default_factory=list)
     """Buffered schedule: the folded or dropped clients whose new record differs from their initial
     one (stored on their owner; their later jobs train there)."""

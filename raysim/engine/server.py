@@ -413,14 +413,13 @@ class Server:
         self.pinned.update(c for r in results for c in r.kept)
         stage_metrics = {}
         if reduced.clients:
-            weights = {c: w for r in results for c, w in r.weights.items()}
             mean = reduced.mean
             if self.stages is not None:  # the folded deltas' sum noised under DP
                 mean, self.stage_state, stage_metrics = self.stages.server_buffered(rnd, reduced, self.stage_state,
                                                                                     self.buffered.buffer)
-            uploads = BufferedUploads(mean=mean, scaled_weight=reduced.total_weight,
-                                      weight=float(sum(weights[c] for c in reduced.clients)), clients=reduced.clients,
+            uploads = BufferedUploads(mean=mean, weight=reduced.total_weight, clients=reduced.clients,
                                       staleness={c: tau for c, _, tau, _ in plan.folded},
+                                      staleness_weights={c: s for c, s, _, _ in plan.folded},
                                       bases={c: self.versions[v]["global"] for c, _, _, v in plan.folded})
             self.state = self.method.buffered_step(self.state, uploads, rnd)
         clients = sorted(metrics)

@@ -318,6 +318,39 @@ def test_a_plan_that_can_never_step_fails_the_run_instead_of_asking_forever(tmp_
         run(tmp_path, backend=InProcess())
 
 
+def test_the_hosts_fold_gives_each_step_the_staleness_weighted_mean_of_its_deltas(tmp_path, monkeypatch):
+    """Through the real loop, each server step of FedBuff receives Δ̄ = Σ w_i s(τ_i) Δ_i / Σ w_i
+    of the deltas its arrivals' jobs trained (raysim.core.buffered), on 2 hosts: the hosts apply
+    s(τ) to the deltas, the server divides by the clients' weights."""
+    import torch
+    from raysim.engine.host import ClientHost
+    from raysim.methods import registry
+    deltas, steps = {}, {}
+    fold_step, buffered_step = ClientHost._fold_step, registry.get("fedbuff").buffered_step
+
+    def look_at_fold(host, plan, seconds):
+        for c, s, tau, _ in plan.folded:
+            if c in host._jobs and host._jobs[c][0] is not None:
+                deltas[plan.version, c] = (host._jobs[c][0].tensors["head.weight"].clone(), s, tau)
+        return fold_step(host, plan, seconds)
+
+    def look_at_step(method, state, uploads, step):
+        steps[step] = uploads
+        return buffered_step(method, state, uploads, step)
+
+    monkeypatch.setattr(ClientHost, "_fold_step", look_at_fold)
+    monkeypatch.setattr(registry.get("fedbuff"), "buffered_step", look_at_step)
+    run(tmp_path, "runtime.num_hosts=2", "rounds=5", backend=InProcess())
+    assert len(steps) == 5 and any(tau > 0 for _, _, tau in deltas.values())
+    for step, uploads in steps.items():
+        mine = {c: d for (v, c), d in deltas.items() if v == step}
+        assert sorted(mine) == uploads.clients
+        assert uploads.staleness_weights == {c: s for c, (_, s, _) in mine.items()}
+        by_hand = sum(s * d for d, s, _ in mine.values()) / len(mine)  # FedBuff's w_i = 1
+        assert uploads.weight == len(mine)
+        assert torch.allclose(uploads.delta()["head.weight"], by_hand, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow  # two federations on Ray actors (~30 s): make test-slow
 def test_records_go_home_through_ray_as_in_one_process(ray_session, tmp_path):
     """The same run as above on Ray actors (records cross the object store and the driver)."""

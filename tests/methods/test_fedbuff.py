@@ -4,22 +4,28 @@ import pytest
 import torch
 
 from raysim.core.aggregation import WeightedMean
-from raysim.core.buffered import BufferedUploads, delta_upload
+from raysim.core.buffered import BufferedUploads, delta_upload, staleness_scaled
 from raysim.core.contract import buffered_refusal as refusal
 from raysim.core.contract import Upload
 from raysim.methods import registry
 from raysim.testing import setup
 
 
-def fold(deltas, weights, taus, staleness):
-    """What the hosts' fold and the server's reduce give for these deltas (one host)."""
+def fold_sums(deltas, weights, taus, staleness, hosts=1):
+    """The hosts' folds (host.py ``_fold_step``: client c on host c % hosts) of these deltas."""
     agg = WeightedMean()
-    partial = agg.start()
+    partials = [agg.start() for _ in range(hosts)]
     for c, (d, w, tau) in enumerate(zip(deltas, weights, taus)):
-        agg.add(partial, c, Upload({"w": d}, w * staleness.weight(tau)))
-    mean = agg.reduce([partial])
-    return BufferedUploads(mean.mean, mean.total_weight, float(sum(weights)), mean.clients,
-                           staleness=dict(enumerate(taus)))
+        agg.add(partials[c % hosts], c, Upload(staleness_scaled({"w": d}, staleness.weight(tau)), w))
+    return agg, partials
+
+
+def fold(deltas, weights, taus, staleness, hosts=1):
+    """What the hosts' fold and the server's reduce give for these deltas."""
+    agg, partials = fold_sums(deltas, weights, taus, staleness, hosts)
+    mean = agg.reduce(partials)
+    return BufferedUploads(mean.mean, mean.total_weight, mean.clients, staleness=dict(enumerate(taus)),
+                           staleness_weights={c: staleness.weight(tau) for c, tau in enumerate(taus)})
 
 
 def test_fedbuff_steps_along_the_staleness_weighted_buffer_mean_with_server_momentum():
@@ -42,6 +48,31 @@ def test_the_buffer_divides_by_the_clients_weights_not_by_the_staleness_weights(
     # one client three steps stale alone: Δ̄ = s Δ = Δ / 2 (not Δ, which Σ s_i in the denominator would give)
     up = fold([torch.tensor([1.0])], [1.0], [3], staleness)
     assert torch.allclose(up.delta()["w"], torch.tensor([0.5]))
+
+
+def test_the_buffered_fold_has_the_same_bits_however_the_uploads_are_grouped_over_hosts():
+    # stale arrivals' s(τ) = 1/√(1+τ) are fractions: folded as the weight w·s, each float64 product
+    # is rounded and the grouping over hosts shows in the sum's last bits (now and then in float32's
+    # after the division). s applied to the float32 delta first, every product with an integer
+    # weight w < 2^10 is exact (24 + 10 bits), and so is the sum while one element's terms span
+    # fewer than 2^19 (here 2^7): the float64 sum is then the same whatever the grouping, the
+    # condition under which a synchronous round's fold is grouping-free too
+    g = torch.Generator().manual_seed(0)
+    sign = lambda: torch.randint(0, 2, (4000,), generator=g) * 2.0 - 1.0  # noqa: E731
+    deltas = [sign() * (1 + torch.rand(4000, generator=g)) * 2.0 ** -int(torch.randint(0, 7, (1,), generator=g))
+              for _ in range(10)]
+    weights = [float(w) for w in torch.randint(1, 600, (10,), generator=g)]
+    taus = [int(t) for t in torch.randint(0, 12, (10,), generator=g)]
+    staleness = registry.get("fedbuff").staleness
+
+    def total(hosts):
+        _, partials = fold_sums(deltas, weights, taus, staleness, hosts)
+        return sum(p.sums["w"] for p in partials)
+
+    for hosts in (2, 3, 4):
+        assert torch.equal(total(hosts), total(1)), hosts
+        assert torch.equal(fold(deltas, weights, taus, staleness, hosts).delta()["w"],
+                           fold(deltas, weights, taus, staleness).delta()["w"])
 
 
 def test_fedavg_buffered_with_fresh_arrivals_is_the_synchronous_mean():
