@@ -22,12 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_BYTES = 2_000_000  # source and docs; a data file or a run's output is skipped
 
 
+_BUILD_OUTPUTS = {"__pycache__", "build", "dist", "runs"}  # ignored by .gitignore: never committed
+
+
 def _files():
     """Every file of the repository (tests and docs included), without hidden folders (.git, the
-    .venv `make` creates), caches, or the symlinks raysim/methods and raysim/tuning (os.walk does
-    not follow them: their targets are scanned under their own names)."""
+    .venv `make` creates), caches, build outputs (a wheel built in the checkout leaves copies of
+    the sources in build/), or the symlinks raysim/methods and raysim/tuning (os.walk does not
+    follow them: their targets are scanned under their own names)."""
     for folder, dirs, names in os.walk(REPO):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _BUILD_OUTPUTS and not d.endswith(".egg-info")]
         for name in names:
             path = Path(folder) / name
             if not path.is_symlink() and path.stat().st_size <= MAX_BYTES:
