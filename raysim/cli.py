@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; a run's or a search's key=value overrides may also follow its options
+    (``raysim run cfg.yaml --out runs/x train.lr=0.1``), where argparse alone stops at them."""
+    parser = _parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(ns, "args", None), list) and all("=" in e and not e.startswith("-") for e in extra):
+        ns.args += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return ns
+
+
 def split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     if args and "=" not in args[0]:
         return args[0], args[1:]
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():  # SIGTERM stops a run like Ctrl-C does
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        ns = _parser().parse_args(argv)
+        ns = _parse(argv)
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "methods": cmd_methods,
                 "data": cmd_data, "tune": cmd_tune, "new": cmd_new}[ns.command](ns)
     except UserError as err:

@@ -18,6 +18,7 @@ def raysim(*args, cwd=None):
     (["run", "tarin.lr=1"], "unknown config key 'tarin'"),
     (["report", "/nonexistent/run"], "no metrics.parquet found in /nonexistent/run"),
     (["frobnicate"], "invalid choice"),
+    (["run", "--check", "--frob"], "unrecognized arguments: --frob"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(args, fragment, tmp_path):
     r = raysim(*args, cwd=tmp_path)
@@ -32,6 +33,13 @@ def test_user_errors_are_one_line_with_exit_code_2(args, fragment, tmp_path):
 # imported first, as it is by every command before its work (5-12 s alone on a loaded 2-core machine)
 TIMED_MAIN = ("import sys, time, torch, raysim.cli; t0 = time.perf_counter(); code = raysim.cli.main(sys.argv[1:]); "
               "print(f'{time.perf_counter() - t0:.2f}'); sys.exit(code)")
+
+
+def test_overrides_after_the_options_are_taken_as_overrides(tmp_path):
+    # argparse alone stops at "rounds=3" after an option: "unrecognized arguments"
+    r = raysim("run", "method=fedavg", "--check", "rounds=3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "\nrounds: 3\n" in r.stdout
 
 
 def test_an_address_where_no_cluster_answers_is_one_line_within_10_s(tmp_path):
