@@ -147,6 +147,22 @@ def test_a_buffered_federation_runs_through_the_stages_alike_on_one_and_two_host
     assert list(server.index) == [1, 2, 3] and server.epsilon.is_monotonic_increasing
 
 
+def test_a_buffered_adaptive_clip_counts_each_arrival_once_whatever_its_staleness(tmp_path):
+    """Andrew et al.'s count of unclipped updates over a buffered step's K arrivals: with no noise,
+    the step's share is a whole number of arrivals over K, stale ones counting 1 like fresh ones
+    (the fold weights an upload's statistics by w, not by w·s(τ), which would make it a fraction)."""
+    k = 2
+    buffered = ("method=fedbuff", "clients.profiles.levels=2", f"schedule.buffer={k}", "schedule.concurrency=6",
+                "clients_per_round=6", "privacy.noise_multiplier=0", "compression=null", "rounds=8", "eval.every=8")
+    federation(cfg(*buffered), str(tmp_path), progress=False, backend=InProcess()).run()
+    df = metrics(tmp_path)
+    stale = df[(df.metric == "staleness") & (df.client >= 0) & (df.value > 0)]
+    assert len(stale) >= 2  # stale arrivals folded
+    unclipped = df[(df.split == "server") & (df.metric == "unclipped")].value.to_numpy()
+    assert len(unclipped) == 8 and all(abs(u * k - round(u * k)) < 1e-12 for u in unclipped), unclipped
+    assert 0 < unclipped.mean() < 1  # some clipped, some not: the count is not trivially constant
+
+
 def test_summary_and_progress_say_the_privacy_spent(two_hosts, tmp_path, capsys):
     from raysim.app.progress import Progress
     from raysim.app.report import privacy_section
