@@ -1,12 +1,12 @@
 """Joining Ray and placing the host pool on it.
 
 Locally raysim starts its own Ray instance that only this machine can reach: every Ray process
-(GCS, raylet, the agents, the driver, every actor) listens on 127.0.0.1, the dashboard is off,
-and Ray's token authentication is on (:func:`start_local_ray`). With ``--address``/``RAY_ADDRESS``
-it joins an existing cluster with token authentication on too, unless ``RAY_AUTH_MODE`` says
-otherwise, and never assumes a single node. The pool is reserved as one placement group, so a
-federation either gets all its hosts or fails fast with the resources it is missing (a group that
-cannot be placed would otherwise wait forever).
+(GCS, raylet, the agents, the driver, every actor) listens on 127.0.0.1, the dashboard and Ray's
+API server are off, and Ray's token authentication is on (:func:`start_local_ray`). With
+``--address``/``RAY_ADDRESS`` it joins an existing cluster with token authentication on too,
+unless ``RAY_AUTH_MODE`` says otherwise, and never assumes a single node. The pool is reserved
+as one placement group, so a federation either gets all its hosts or fails fast with the
+resources it is missing (a group that cannot be placed would otherwise wait forever).
 """
 from __future__ import annotations
 
