@@ -123,7 +123,6 @@ def remove_unstarted(made: list[str]) -> None:
 
 def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: bool, resume: bool,
          debug: bool = False) -> list[FederationResult]:
-    from raysim.app import report
     from raysim.engine.cluster import quiet_worker_death_notices, ray_session
 
     if not resume:
@@ -142,6 +141,8 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
         datasets = [one.data.dataset for one, _ in jobs if not one.data.shards]
         ray_or_not = contextlib.nullcontext() if debug else ray_session(address or cfg.runtime.address, cfg.runtime,
                                                                          methods=cfg.method_names(), datasets=datasets)
+        if not debug:
+            warm_imports(tensorboard=cfg.tracking.tensorboard)
         with ray_or_not:
             if not debug:
                 quiet_worker_death_notices()
@@ -157,6 +158,7 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
         raise failed[0][1]
     text = None
     if len(failed) < len(jobs) or not jobs:
+        from raysim.app import report
         try:
             text = report.render(run_dir)
         except WriteFailed as err:
@@ -169,6 +171,30 @@ def _run(cfg: ExperimentConfig, run_dir: str, address: str | None, progress: boo
     if failed:
         raise _failed_federations(failed, len(jobs), run_dir, rendered=text is not None)
     return results
+
+
+# What the driver imports only once Ray is up (the actors' classes, TensorBoard's writer) or after
+# round 1 (pandas, through pyarrow's first table and the summary): imported by a thread while
+# ray.init waits on Ray's processes, they are off the first round's path (docs/results.md §11).
+WARM_IMPORTS = ("raysim.engine.server", "raysim.engine.host", "raysim.app.report")
+
+
+def warm_imports(tensorboard: bool = True) -> threading.Thread:
+    """Import :data:`WARM_IMPORTS` (and TensorBoard's writer) in a daemon thread, now."""
+    import importlib
+
+    names = WARM_IMPORTS + (("torch.utils.tensorboard",) if tensorboard else ())
+
+    def run() -> None:
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the import that needs it raises it again, where it is read
+                return
+
+    thread = threading.Thread(target=run, name="raysim-warm-imports", daemon=True)
+    thread.start()
+    return thread
 
 
 # A federation's own failure, which ends it alone: its method's bug, or its training diverging
