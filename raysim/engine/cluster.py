@@ -281,9 +281,9 @@ def lean_start():
         node.Node.start_api_server, services.get_node = saved_api, saved_get_node
 
 
-def _await_registration(gcs_address: str, node_id: str, timeout_s: float = 30.0) -> None:
+def _await_registration(gcs_address: str, node_id: str, timeout_s: float = 10.0) -> None:
     """Until the GCS lists the node ``node_id`` (hex), or ``timeout_s``: then Ray's own wait
-    decides (it raises where the node never came)."""
+    decides (it waits 30 s more, and raises where the node never came)."""
     import ray
 
     try:
