@@ -150,3 +150,24 @@ def test_post_train_eval_point_scores_the_model_as_it_left_training(ray_session,
 
     assert accuracy(fedavg, 1).equals(accuracy(local, 1))
     assert not accuracy(fedavg, 2).value.equals(accuracy(local, 2).value)  # round 2 starts from the average
+
+
+def test_the_drivers_late_imports_run_in_a_daemon_thread_while_ray_starts():
+    """In a fresh driver none of them is imported by raysim.app.experiment itself (so the thread,
+    started just before ray.init, is what takes them off the first round's path)."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("import json, sys, raysim.app.experiment as e\n"
+              "names = e.WARM_IMPORTS + ('torch.utils.tensorboard', 'pandas')\n"
+              "before = [n for n in names if n in sys.modules]\n"
+              "t = e.warm_imports(tensorboard=True)\n"
+              "daemon = t.daemon\n"
+              "t.join(120)\n"
+              "print(json.dumps({'before': before, 'after': [n for n in names if n in sys.modules], 'daemon': daemon}))\n")
+    out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                    timeout=180).stdout.strip().splitlines()[-1])
+    assert out["before"] == [] and out["daemon"]
+    assert set(out["after"]) == {"raysim.engine.server", "raysim.engine.host", "raysim.app.report",
+                                 "torch.utils.tensorboard", "pandas"}
