@@ -207,6 +207,15 @@ def with_plugins(options: dict) -> dict:
     return {**options, "runtime_env": {**(options.get("runtime_env") or {}), **_shipped}}
 
 
+NODE_POLL_S = 0.02  # how often lean_start asks the GCS whether the new node has registered
+# How often a Ray process retries connecting to a local socket not yet listening (the raylet's
+# object manager to its own plasma store, started on another thread at the same moment; a worker
+# to its raylet): every 20 ms for up to 10 s, where Ray's default retries once a second (10 times).
+# The raylet's own start lost that race in 3 of 8 runs here and waited a whole second.
+CONNECT_POLL = {"raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500}
+API_SERVER_ENV = "RAYSIM_RAY_API_SERVER"  # =1: raysim's own Ray starts Ray's API server after all
+
+
 def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
                     log_to_driver: bool = True, runtime_env: dict | None = None) -> None:
     """Start this process's own Ray instance, reachable from this machine only.
@@ -242,15 +251,6 @@ def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int 
                      **({"runtime_env": runtime_env} if runtime_env else {}))
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
-
-
-NODE_POLL_S = 0.02  # how often lean_start asks the GCS whether the new node has registered
-# How often a Ray process retries connecting to a local socket not yet listening (the raylet's
-# object manager to its own plasma store, started on another thread at the same moment; a worker
-# to its raylet): every 20 ms for up to 10 s, where Ray's default retries once a second (10 times).
-# The raylet's own start lost that race in 3 of 8 runs here and waited a whole second.
-CONNECT_POLL = {"raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500}
-API_SERVER_ENV = "RAYSIM_RAY_API_SERVER"  # =1: raysim's own Ray starts Ray's API server after all
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""raysim's own Ray starts without Ray's API server and without Ray's once-a-second wait for the
-node (raysim.engine.cluster.lean_start): the session's Ray instance (tests/conftest.py) is started
-the way `raysim run` starts its own, so it is the real thing checked here."""
+"""raysim's own Ray starts without Ray's API server, without Ray's once-a-second wait for the node
+(raysim.engine.cluster.lean_start) and with local sockets retried every 20 ms (CONNECT_POLL): the
+session's Ray instance (tests/conftest.py) is started the way `raysim run` starts its own, so it is
+the real thing checked here."""
 from __future__ import annotations
 
 import time
