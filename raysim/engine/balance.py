@@ -20,25 +20,43 @@ from collections import deque
 
 OWN_CHUNK_DIVISOR = 4  # a host's next chunk: a quarter of what is left in its own queue (at least 1)
 PIPELINE = 2  # chunks of its own queue a host has in flight, so it never waits for the driver
+# the least training time worth a chunk of its own: a chunk costs ~1.5 ms of CPU in the driver, the
+# raylet and the host whatever its size, so a chunk of one 4 ms client (workload D) spends a quarter
+# of its time on the call; 25 ms keeps that under 6% and the round's tail within 25 ms
+LEAST_CHUNK_SECONDS = 0.025
+
+
+def least_chunk(seconds_per_client: float | None) -> int:
+    """The fewest clients worth a chunk on a host that trains one in ``seconds_per_client``
+    (None: not measured yet, 1)."""
+    if not seconds_per_client or seconds_per_client <= 0:
+        return 1
+    return max(1, math.ceil(LEAST_CHUNK_SECONDS / seconds_per_client))
 
 
 class StealingPlan:
     """The round's clients queued on their owners; chunks out to hosts as they ask."""
 
-    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable):
-        """``queues``: owner -> its sampled clients; ``movable(client)``: whether its state may travel."""
+    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable,
+                 least: dict[int, int] | None = None):
+        """``queues``: owner -> its sampled clients; ``movable(client)``: whether its state may travel;
+        ``least``: host -> the fewest clients of its own queue worth a chunk (:func:`least_chunk`; 1
+        where absent)."""
         self.rnd, self.num_hosts, self.movable = rnd, num_hosts, movable
+        self.least = least or {}
         self.queues = {h: deque(sorted(queues.get(h, ()))) for h in range(num_hosts)}
 
     def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
         """(owner, clients) for ``host`` to train next, given the chunks it has ``in_flight``:
-        from its own queue (owner == host), else stolen from the host with the most movable
-        clients queued (half of them, from the tail); (None, []) when there is nothing for it."""
+        from its own queue (owner == host; a quarter of it, at least ``least[host]``), else stolen
+        from the host with the most movable clients queued (half of them, from the tail); (None, [])
+        when there is nothing for it."""
         own = self.queues[host]
         if own:
             if in_flight >= PIPELINE:
                 return None, []
-            return host, [own.popleft() for _ in range(math.ceil(len(own) / OWN_CHUNK_DIVISOR))]
+            n = max(math.ceil(len(own) / OWN_CHUNK_DIVISOR), self.least.get(host, 1))
+            return host, [own.popleft() for _ in range(min(n, len(own)))]
         if in_flight:  # steal only when about to idle: a busy thief would take work from a faster owner
             return None, []
         counts = {h: sum(1 for c in q if self.movable(c)) for h, q in self.queues.items() if h != host}

@@ -34,7 +34,7 @@ from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, Trained
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
-from raysim.engine.balance import plan_for
+from raysim.engine.balance import least_chunk, plan_for
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
@@ -102,6 +102,7 @@ class FederationRun:
         # runtime.balance: how a round's clients are spread over the hosts (raysim.engine.balance)
         self.plan = plan_for(cfg)
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
+        self.client_seconds: dict[int, float] = {}  # host -> wall seconds per client of its last own chunk
         self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
         self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
@@ -427,32 +428,35 @@ class FederationRun:
         returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
         limit = self.cfg.runtime.steal_state_mb * 2**20
         plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
-                         lambda c: self.state_bytes.get(c, 0) <= limit)
+                         lambda c: self.state_bytes.get(c, 0) <= limit,
+                         least={h: least_chunk(s) for h, s in self.client_seconds.items()})
         # the records a thief may need, read from each owner before its first chunk (so a busy owner
         # never holds a thief up); clients without a record start from their initial state anywhere
         exports = {h: box(self.hosts[h].export_records.remote(cids))
                    for h, q in plan.queues.items()
                    if (cids := [c for c in q if c in self.state_bytes and plan.movable(c)])}
-        running: dict = {}  # ref -> (host, owner)
+        running: dict = {}  # ref -> (host, owner, clients)
         returned = []
 
         def feed(h: int) -> None:
             while True:
-                owner, cids = plan.next_chunk(h, sum(1 for host, _ in running.values() if host == h))
+                owner, cids = plan.next_chunk(h, sum(1 for host, *_ in running.values() if host == h))
                 if not cids:
                     return
                 moved = None if owner == h else exports.get(owner, box(None))
                 ref = self.hosts[h].train_clients.remote(rnd, payload_box, cids,
                                                          {c: personal[c] for c in cids if c in personal}, moved)
-                running[ref] = (h, owner)
+                running[ref] = (h, owner, len(cids))
 
         for h in range(len(self.hosts)):
             feed(h)
         while running:
             ready = self._first_done(list(running))
             for ref in ready:
-                h, owner = running.pop(ref)
+                h, owner, n = running.pop(ref)
                 done: TrainedClients = self._call(ref)
+                if owner == h:  # what its own clients take there sizes its next chunks (stolen ones travel)
+                    self.client_seconds[h] = done.seconds / n
                 self.state_bytes.update(done.state_bytes)
                 if done.records_for_owner:
                     returned.append(self.hosts[owner].import_states.remote(done.records_for_owner))

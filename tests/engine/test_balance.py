@@ -8,7 +8,7 @@ import pytest
 
 from raysim.config import load_config
 from raysim.app.experiment import federation
-from raysim.engine.balance import StealingPlan, job_trainers
+from raysim.engine.balance import LEAST_CHUNK_SECONDS, StealingPlan, job_trainers, least_chunk
 from raysim.testing import ElsewherePlan
 
 TINY = {
@@ -37,6 +37,19 @@ def test_a_host_drains_its_own_queue_in_shrinking_chunks_then_steals_movable_cli
     assert plan.next_chunk(1, 0) == (None, [])  # only sticky clients left on host 0
     assert list(plan.queues[0]) == [10, 12]
     assert plan.next_chunk(0, 0) == (0, [10])
+
+
+def test_a_chunk_of_cheap_clients_holds_at_least_the_least_chunks_worth():
+    # a client of 4 ms: 25 ms is 7 of them; one of 30 ms is worth a chunk alone; unmeasured: 1
+    assert LEAST_CHUNK_SECONDS == 0.025
+    assert (least_chunk(0.004), least_chunk(0.0125), least_chunk(0.03), least_chunk(None)) == (7, 2, 1, 1)
+    plan = StealingPlan(1, {0: list(range(0, 40, 2)), 1: [1, 3]}, 2, lambda c: True, least={0: 7})
+    assert plan.next_chunk(0, 0) == (0, [0, 2, 4, 6, 8, 10, 12])  # a quarter of 20 is 5: 7 instead
+    assert plan.next_chunk(0, 1) == (0, [14, 16, 18, 20, 22, 24, 26])
+    assert plan.next_chunk(0, 2) == (None, [])  # two in flight
+    assert plan.next_chunk(0, 1) == (0, [28, 30, 32, 34, 36, 38])  # the last 6
+    assert plan.next_chunk(1, 0) == (1, [1])  # no floor on host 1: a quarter, rounded up
+    assert plan.next_chunk(1, 1) == (1, [3])
 
 
 def test_a_dispatchs_jobs_split_evenly_and_pinned_clients_stay_home():
