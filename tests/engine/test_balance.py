@@ -77,6 +77,22 @@ def _run(tmp_path, name, *overrides, plan=None):
     return pq.read_table(os.path.join(tmp_path, name, "metrics.parquet")).to_pandas()
 
 
+class RecordingPlan(StealingPlan):
+    """The default plan, remembering the chunk floors the driver gave each round's plan."""
+    floors: dict = {}
+
+    def __init__(self, rnd, queues, num_hosts, movable, least=None):
+        super().__init__(rnd, queues, num_hosts, movable, least)
+        RecordingPlan.floors[rnd] = dict(least or {})
+
+
+def test_the_driver_sizes_a_hosts_chunks_from_its_measured_clients(ray_session, tmp_path):
+    RecordingPlan.floors = {}
+    _run(tmp_path, "floors", "rounds=2", plan=RecordingPlan)
+    assert RecordingPlan.floors[1] == {}  # nothing measured before the first round
+    assert set(RecordingPlan.floors[2]) == {0, 1} and all(k >= 1 for k in RecordingPlan.floors[2].values())
+
+
 @pytest.mark.slow
 def test_the_same_results_whichever_host_trains_a_client(ray_session, tmp_path):
     pinned = _run(tmp_path, "owner", "runtime.balance=owner")
