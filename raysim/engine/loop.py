@@ -427,9 +427,12 @@ class FederationRun:
         """Train the round's clients in chunks handed to hosts as they free up (``self.plan``);
         returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
         limit = self.cfg.runtime.steal_state_mb * 2**20
+        # chunks sized by measured time, except where hosts train cohorts: a cohort forms within a
+        # chunk, so timed chunks would make the cohorts, and their sums' rounding, vary between runs
+        timed = self.cfg.runtime.cohort_size in (0, 1)
         plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
                          lambda c: self.state_bytes.get(c, 0) <= limit,
-                         least={h: least_chunk(s) for h, s in self.client_seconds.items()})
+                         least={h: least_chunk(s) for h, s in self.client_seconds.items()} if timed else {})
         # the records a thief may need, read from each owner before its first chunk (so a busy owner
         # never holds a thief up); clients without a record start from their initial state anywhere
         exports = {h: box(self.hosts[h].export_records.remote(cids))

@@ -91,6 +91,11 @@ def test_the_driver_sizes_a_hosts_chunks_from_its_measured_clients(ray_session, 
     _run(tmp_path, "floors", "rounds=2", plan=RecordingPlan)
     assert RecordingPlan.floors[1] == {}  # nothing measured before the first round
     assert set(RecordingPlan.floors[2]) == {0, 1} and all(k >= 1 for k in RecordingPlan.floors[2].values())
+    # with cohorts the chunks keep the quarter rule: a cohort forms within a chunk, and timed chunks
+    # would make the cohorts (and their rounding) vary from run to run
+    RecordingPlan.floors = {}
+    _run(tmp_path, "cohorts", "rounds=2", "runtime.cohort_size=2", plan=RecordingPlan)
+    assert RecordingPlan.floors[2] == {}
 
 
 @pytest.mark.slow

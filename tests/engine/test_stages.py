@@ -128,8 +128,16 @@ def test_the_checkpoint_holds_the_residuals_and_the_adaptive_clip(tmp_path):
 
 
 def test_cohorts_give_the_metrics_of_clients_trained_one_by_one(two_hosts, tmp_path):
-    federation(cfg("runtime.cohort_size=2"), str(tmp_path), progress=False, backend=InProcess()).run()
-    assert metrics(tmp_path).equals(two_hosts)
+    """Each host's two clients of a round in one cohort (``balance: owner`` hands a host all of
+    them at once): the metrics of the per-client run to the cohort's float32 rounding
+    (raysim.engine.cohort: 1e-5 relative per client; 7e-6 here after 3 rounds)."""
+    import numpy as np
+    federation(cfg("runtime.cohort_size=2", "runtime.balance=owner"), str(tmp_path), progress=False,
+               backend=InProcess()).run()
+    got = metrics(tmp_path)
+    assert got.drop(columns="value").equals(two_hosts.drop(columns="value"))
+    assert np.allclose(got["value"], two_hosts["value"], rtol=5e-5, atol=0)
+    assert not got["value"].equals(two_hosts["value"])  # the cohorts did train: not the per-client path
 
 
 def test_a_buffered_federation_runs_through_the_stages_alike_on_one_and_two_hosts(tmp_path):
