@@ -331,7 +331,7 @@ class Server:
         jobs = [(c, tl.in_flight[c].version) for c in tl.waiting_on if c not in self.training]
         needed = {c for c, _ in jobs if tl.earliest_arrival(c) < horizon}
         if steps_left is not None:  # the run's last steps fold steps_left x K arrivals, no more
-            needed &= set(tl.likely(steps_left * tl.buffer))
+            needed &= set(tl.likely((steps_left - 1) * tl.buffer))  # likely() adds one step's K itself
         if self.ahead_paused or len(tl.in_flight) - (len(jobs) - len(needed)) < tl.buffer:
             needed = {c for c, _ in jobs}  # the others cannot make a step, or lately could not
         self.ahead_paused = max(0, self.ahead_paused - 1)

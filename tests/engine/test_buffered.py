@@ -261,6 +261,26 @@ def test_the_runs_last_window_trains_only_the_jobs_its_steps_can_fold():
     assert len(plans[last]) == 4 and plans[last] == plans[full]
 
 
+def test_the_runs_last_step_trains_only_the_jobs_likely_among_its_k_arrivals():
+    """By hand: K = 2, one step left, one trained job in flight (arriving at 1.0 s), five untrained
+    ones whose earliest arrivals are 2, 3, 4, 5 and 6 s (the trained job took no more than its
+    bound). The step folds 2 arrivals: the trained one and, likely, the one due at 2 s; only that
+    one trains (the others would train for nothing). If the guess is short, the plan finds a job it
+    needs untrained and trains it before stepping."""
+    from raysim.engine.server import Server
+    from raysim.engine.timeline import Timeline
+
+    s = Server(cfg("schedule.buffer=2", "rounds=10"))
+    s.start()
+    tl = s.timeline = Timeline(concurrency=6, buffer=2)
+    tl.dispatch([10, 11, 12, 13, 14, 15], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    tl.trained(10, 1.0)
+    s.least_any, s.training, s.trainers, s.versions = 10.0, set(), {}, {0: {}}
+    assert [c for c, _ in s._jobs_to_train(steps_left=1).jobs] == [11]
+    s.training = set()
+    assert [c for c, _ in s._jobs_to_train(steps_left=2).jobs] == [11, 12, 13]  # 4 arrivals: 1 trained + 3
+
+
 def test_a_job_quicker_than_its_dispatchs_lower_bound_is_refused():
     from raysim.engine.timeline import Timeline
     tl = Timeline(concurrency=2, buffer=1)
