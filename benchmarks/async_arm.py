@@ -5,7 +5,7 @@ updates per wall second of the loop (start-up excluded) for both, and their rati
 
 On a shared 2-core machine one pair's ratio moves by +-0.1 from run to run; ``--pairs N`` runs N
 pairs in one Ray session, the order swapped every other pair (which arm runs first never favours
-one), and prints each pair's ratio, their median and range.
+one), and prints each pair's ratio, then their median, mean ± std and range.
 
     python benchmarks/async_arm.py [--updates 1000] [--hosts 2] [--pairs 1]
 """
