@@ -31,7 +31,7 @@ def least_chunk(seconds_per_client: float | None) -> int:
     (None: not measured yet, 1)."""
     if not seconds_per_client or seconds_per_client <= 0:
         return 1
-    return max(1, math.ceil(LEAST_CHUNK_SECONDS / seconds_per_client))
+    return math.ceil(LEAST_CHUNK_SECONDS / seconds_per_client)  # >= 1: both are positive
 
 
 class StealingPlan:
