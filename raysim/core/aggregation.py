@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from raysim.core.tensors import Tensors, to_device, wait_for
+from raysim.core.tensors import ReadOnlyTensors, Tensors, to_device, wait_for
 
 
 # ----------------------------------------------------------------------------- the weighted mean
@@ -184,7 +184,8 @@ class WeightedMean(Aggregator):
         the CPU in one move."""
         moved = to_device({"sums": partial.sums, "statistics": partial.statistics, "extras": partial.extras},
                           "cpu", what="partial")
-        return dataclasses.replace(partial, sums=moved["sums"], statistics=moved["statistics"], extras=moved["extras"])
+        return dataclasses.replace(partial, sums=ReadOnlyTensors(moved["sums"]),
+                                   statistics=ReadOnlyTensors(moved["statistics"]), extras=moved["extras"])
 
     def reduce(self, partials: list[MeanPartial]) -> Mean:
         total = sum(p.weight for p in partials)
@@ -201,9 +202,12 @@ def reduce_sums(partials: list[tuple[dict, dict]], total: float) -> Tensors:
     dtypes: dict[str, torch.dtype] = {}
     for part, part_dtypes in partials:
         for k, v in part.items():
-            sums[k] = sums[k] + v if k in sums else v.clone()
+            if k in sums:
+                sums[k].add_(v)  # in place: the same sums as ``sums[k] + v``, one buffer per key
+            else:
+                sums[k] = v.clone()  # the hosts' partials are only read
         dtypes.update(part_dtypes)
-    return {k: cast_like(v / total if total > 0 else v, dtypes[k]) for k, v in sums.items()}
+    return {k: cast_like(v.div_(total) if total > 0 else v, dtypes[k]) for k, v in sums.items()}
 
 
 class KeepAll(Aggregator):

@@ -133,6 +133,13 @@ def cpu_copy(tensors: Tensors) -> Tensors:
     return to_device(dict(tensors), _STATE_DEVICE.get() or "cpu", what="state", copy=True)
 
 
+class ReadOnlyTensors(dict):
+    """Named tensors their receiver only reads (a host's partial sums, which the server reduces
+    into buffers of its own). Where they cross a process boundary they arrive as views of the
+    sent bytes in Ray's shared memory, not as private copies (:mod:`raysim.engine.wire`): writing
+    to one is an error. Within one process they are the sender's tensors."""
+
+
 def tensors_nbytes(tensors) -> int:
     """Bytes of the tensors in a (nested) dict: what a payload or an upload weighs."""
     total = 0

@@ -7,6 +7,10 @@ host per round, and once per host per server step in a buffered schedule. Here a
 travels as a flat byte array (pickle protocol 5 hands it to the object store out of band, one
 copy) and arrives as a private, writable copy: the same bits, dtype and shape, about half the CPU.
 
+A :class:`raysim.core.tensors.ReadOnlyTensors` (a host's partial sums, which the server only reads)
+travels the same way but arrives without the copy: its tensors are views of the received bytes,
+in Ray's shared memory, kept alive by the tensors themselves.
+
 What it changes for the receiver: a tensor arrives contiguous, owning its storage (a view sends
 only its own elements, not its base's whole storage; two tensors that shared a storage arrive as
 two). Everything else travels as torch pickles it: parameters and other subclasses, tensors that
@@ -17,8 +21,12 @@ it once Ray is up. The receiving process needs nothing: the pickle names
 :func:`tensor_from_wire`."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
+
+from raysim.core.tensors import ReadOnlyTensors
 
 _installed = False
 
@@ -53,6 +61,28 @@ def tensor_from_wire(sent) -> torch.Tensor:
     return torch.from_numpy(np.array(raw, copy=True)).view(dtype).reshape(shape)
 
 
+def _view_from_wire(sent) -> torch.Tensor:
+    """The tensor :func:`tensor_to_wire` sent, as a view of the received bytes (read-only where
+    they are Ray's shared memory)."""
+    if sent[0] == "torch":
+        return tensor_from_wire(sent)
+    _, raw, dtype, shape = sent
+    dtype = getattr(torch, dtype)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # torch warns that a read-only buffer's tensor must not be written: it is not
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def read_only_to_wire(tensors: ReadOnlyTensors) -> dict:
+    return {k: tensor_to_wire(t) for k, t in tensors.items()}
+
+
+def read_only_from_wire(sent: dict) -> ReadOnlyTensors:
+    return ReadOnlyTensors({k: _view_from_wire(v) for k, v in sent.items()})
+
+
 def install() -> None:
     """Send this process's CPU tensors as bytes from now on (once Ray is connected; idempotent)."""
     global _installed
@@ -61,4 +91,5 @@ def install() -> None:
         return
     from ray.util import register_serializer
     register_serializer(torch.Tensor, serializer=tensor_to_wire, deserializer=tensor_from_wire)
+    register_serializer(ReadOnlyTensors, serializer=read_only_to_wire, deserializer=read_only_from_wire)
     _installed = True

@@ -115,3 +115,26 @@ def test_the_engine_calls_aggregate_only_with_uploads():
         summary = Server.aggregate(srv, 1, HostRoundResult(host=0, uploads=aggregator.start(), personal_sums=None,
                                                            bytes_up=0, client_metrics=dropped))
         assert torch.equal(srv.state["global"]["w"], torch.zeros(2)) and summary.clients == [3]
+
+
+def test_the_server_reduces_into_buffers_of_its_own_leaving_the_hosts_sums_as_they_were():
+    """reduce_sums adds in place, into a clone of the first host's sums: the hosts' partials (which
+    arrive as read-only views of the object store) are not written, and the mean is the out-of-place
+    sum's, bit for bit."""
+    torch.manual_seed(2)
+    agg = WeightedMean()
+    partials = []
+    for h in range(3):
+        partial = agg.start()
+        for i in range(2):
+            agg.add(partial, 10 * h + i, Upload({"w": torch.randn(50) * 10.0 ** (h - 1), "n": torch.tensor(h + i)},
+                                                float(3 * h + i + 1)))
+        partials.append(agg.leave_device(partial))
+    before = [{k: v.clone() for k, v in p.sums.items()} for p in partials]
+    out = agg.reduce(partials)
+    for p, b in zip(partials, before):
+        assert all(torch.equal(p.sums[k], b[k]) for k in b)
+    total = sum(p.weight for p in partials)
+    by_hand = (before[0]["w"] + before[1]["w"] + before[2]["w"]) / total
+    assert torch.equal(out.mean["w"], by_hand.to(torch.float32))
+    assert out.mean["n"] == torch.round((before[0]["n"] + before[1]["n"] + before[2]["n"]) / total).to(torch.int64)

@@ -1,9 +1,11 @@
 """Tensors between Ray processes as raw bytes (raysim.engine.wire): the same bits, dtype and shape
 as torch's own pickling gives, writable and independent of the object store; what the byte path
-does not take travels as torch pickles it."""
+does not take travels as torch pickles it. Read-only tensors (a host's partial sums) arrive as
+views of the object store."""
 import pytest
 import torch
 
+from raysim.core.tensors import ReadOnlyTensors
 from raysim.engine import wire
 
 CASES = {
@@ -81,3 +83,36 @@ def test_a_received_tensor_is_writable_and_its_own(ray_session, sender):
     assert float(first.abs().sum()) == 0.0
     torch.manual_seed(0)
     assert torch.equal(second, CASES["float64 partial sum"]())
+
+
+def test_read_only_tensors_round_trip_as_read_only_tensors():
+    sent = {name: CASES[name]() for name in sorted(CASES)}
+    back = wire.read_only_from_wire(wire.read_only_to_wire(ReadOnlyTensors(sent)))
+    assert type(back) is ReadOnlyTensors
+    assert sorted(back) == sorted(sent)
+    for name in sent:
+        assert same(back[name], sent[name]), name
+
+
+def test_a_hosts_partial_sums_arrive_as_views_of_the_object_store(ray_session):
+    """The server only reads a host's sums (raysim.core.aggregation.reduce_sums clones the first):
+    they arrive without a private copy, the same bits; plain tensors beside them still copy."""
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Host:
+        def __init__(self):
+            wire.install()
+
+        def partial(self):
+            torch.manual_seed(0)
+            sums = ReadOnlyTensors({"w": torch.randn(300, 200, dtype=torch.float64), "b": torch.randn(5)})
+            return sums, {"w": sums["w"].clone()}
+
+    ref = Host.remote().partial.remote()
+    (first, plain1), (second, plain2) = ray.get(ref), ray.get(ref)
+    assert type(first) is ReadOnlyTensors
+    assert first["w"].data_ptr() == second["w"].data_ptr()  # both views of the one stored object
+    assert plain1["w"].data_ptr() != plain2["w"].data_ptr()  # a plain tensor: a private copy each
+    torch.manual_seed(0)
+    assert same(first["w"], torch.randn(300, 200, dtype=torch.float64)) and same(first["b"], torch.randn(5))
