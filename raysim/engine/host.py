@@ -38,7 +38,7 @@ from raysim.engine.messages import (HostRoundResult, LocalLosses, SplitScores, S
 from raysim.core.buffered import delta_upload, staleness_scaled
 from raysim.core.seeding import generator_for
 from raysim.core.stages import RESIDUAL_KEY, from_config as stages_from_config, residual_on
-from raysim.engine import wire
+from raysim.engine import heap, wire
 from raysim.engine.store import ClientStateStore, same_record, state_nbytes
 from raysim.core.tensors import keep_state_on, load_tensors, tensors_nbytes, to_device
 
@@ -112,6 +112,7 @@ class ClientHost:
         it needs nothing from the server and starts while the server loads the data too."""
         host_id, cfg, gpu_ids = self.host_id, self.cfg, self._gpu_ids
         wire.install()  # its partial sums and records leave as raw bytes (a no-op without Ray)
+        heap.keep_freed_memory()  # a window reuses the pages the last one freed (a Ray actor on glibc)
         rt = cfg.runtime
         threads = rt.torch_threads or max(1, int(rt.cpus_per_host))
         torch.set_num_threads(threads)

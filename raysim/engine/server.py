@@ -19,7 +19,7 @@ from raysim.engine.clock import device_time, read_trace
 from raysim.engine.layout import host_layout
 from raysim.engine.federation import ClientDomains, Federation
 from raysim.engine.messages import HostRoundResult, LocalLosses, LossQuery, RoundSummary, StepPlan, TrainJobs, box
-from raysim.engine import wire
+from raysim.engine import heap, wire
 from raysim.engine.timeline import Timeline, buffered_schedule, schedule_kind
 from raysim.core.buffered import BufferedUploads
 from raysim.core.seeding import SERVER, rng_for
@@ -42,6 +42,7 @@ class Server:
         """Build data, partition and initial state. Not in __init__: an error raised there reaches
         the driver without its cause, and a user error must arrive as one clear line."""
         wire.install()  # its payloads leave as raw bytes (a no-op without Ray)
+        heap.keep_freed_memory()  # a step reuses the pages the last one freed (a Ray actor on glibc)
         self.fed = Federation(self.cfg)
         self.method = self.fed.method
         # which clients train: the method's own select, or the selection it runs with (clients.selection)
