@@ -2,12 +2,17 @@
 glibc's heap and stay there once freed, so a buffered window's partial sums reuse the last
 window's pages instead of faulting in new ones. (glibc's own defaults move with the process's
 history, so the test checks the setting's effect, not the defaults'.)"""
+import platform
+
+import pytest
+
 from raysim.engine import heap
 
 BLOCKS, NBYTES = 10, 6 << 20  # a burst of frees just under heap.TRIM_THRESHOLD: 10 blocks of 6 MiB
 BIG = 24 << 20  # one block glibc would map on its own unless something this big was freed before
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_an_actor_serves_big_blocks_from_its_heap_and_keeps_them(ray_session):
     ray = ray_session
 
