@@ -136,8 +136,9 @@ def cpu_copy(tensors: Tensors) -> Tensors:
 class ReadOnlyTensors(dict):
     """Named tensors their receiver only reads (a host's partial sums, which the server reduces
     into buffers of its own). Where they cross a process boundary they arrive as views of the
-    sent bytes in Ray's shared memory, not as private copies (:mod:`raysim.engine.wire`): writing
-    to one is an error. Within one process they are the sender's tensors."""
+    sent bytes in Ray's shared memory, not as private copies (:mod:`raysim.engine.wire`): they must
+    not be written (a write would change the stored object for every reader; nothing stops it).
+    Within one process they are the sender's tensors."""
 
 
 def tensors_nbytes(tensors) -> int:

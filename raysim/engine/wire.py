@@ -48,9 +48,10 @@ def tensor_to_wire(t: torch.Tensor):
     return "torch", rebuild, args
 
 
-def tensor_from_wire(sent) -> torch.Tensor:
+def tensor_from_wire(sent, copy: bool = True) -> torch.Tensor:
     """The tensor :func:`tensor_to_wire` sent, writable and its own (the received bytes may be a
-    read-only view of Ray's object store: they are copied once)."""
+    read-only view of Ray's object store: they are copied once); ``copy=False``: a view of those
+    bytes, for a receiver that only reads."""
     if sent[0] == "torch":
         _, rebuild, args = sent
         return rebuild(*args)
@@ -58,18 +59,8 @@ def tensor_from_wire(sent) -> torch.Tensor:
     dtype = getattr(torch, dtype)
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(np.array(raw, copy=True)).view(dtype).reshape(shape)
-
-
-def _view_from_wire(sent) -> torch.Tensor:
-    """The tensor :func:`tensor_to_wire` sent, as a view of the received bytes (read-only where
-    they are Ray's shared memory)."""
-    if sent[0] == "torch":
-        return tensor_from_wire(sent)
-    _, raw, dtype, shape = sent
-    dtype = getattr(torch, dtype)
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
+    if copy:
+        return torch.from_numpy(np.array(raw, copy=True)).view(dtype).reshape(shape)
     with warnings.catch_warnings():  # torch warns that a read-only buffer's tensor must not be written: it is not
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(raw).view(dtype).reshape(shape)
@@ -80,7 +71,7 @@ def read_only_to_wire(tensors: ReadOnlyTensors) -> dict:
 
 
 def read_only_from_wire(sent: dict) -> ReadOnlyTensors:
-    return ReadOnlyTensors({k: _view_from_wire(v) for k, v in sent.items()})
+    return ReadOnlyTensors({k: tensor_from_wire(v, copy=False) for k, v in sent.items()})
 
 
 def install() -> None:
