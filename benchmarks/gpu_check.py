@@ -670,7 +670,8 @@ def main(argv=None) -> int:
 
 
 def worker_cmd(python: str, mode: Mode, work: str, steps: list[str], deadline: float) -> list[str]:
-    return ([python, os.path.abspath(__file__), "--device", mode.device] + (["--ray"] if mode.ray else []) +
+    ray_flag = ["--ray"] if mode.ray and mode.device == "cpu" else []  # on cuda the steps always run through Ray
+    return ([python, os.path.abspath(__file__), "--device", mode.device] + ray_flag +
             ["--work", work, "--worker", ",".join(steps), "--deadline", f"{deadline:.1f}"])
 
 

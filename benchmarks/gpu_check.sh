@@ -11,4 +11,10 @@ py=${PYTHON:-}
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
+# raysim.methods is methods/ mapped by pyproject: importing raysim from the checkout finds raysim/
+# but not methods/, so a machine where raysim was never installed (.gpu/setup.sh skips the install
+# when `import raysim` works from the project root) installs it here, editable and offline
+if ! "$py" -c "import raysim.methods" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 2
+fi
 exec "$py" benchmarks/gpu_check.py "$@"
