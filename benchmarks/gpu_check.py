@@ -12,8 +12,9 @@ runs out of time gives ERROR rows; the others still run):
   bytes per host depend on the layout) must be bitwise equal, the comparison of
   tests/app/test_experiment.py's host-layout test.
 * (a) ``bench``: ``benchmarks/run.py --device cuda --quick --only A,B,D,P,B6 --cohort-size auto
-  --no-pfl``: the plain GPU loop (the reference), raysim per-client at 1 and 4 hosts and (c) the
-  cohort arm, every arm's weights checked against the plain loop's. R (ResNet-10) is left to (d),
+  --no-pfl --targets-only``: the plain GPU loop (the reference), raysim per-client at 1 and 4 hosts
+  and (c) the cohort arm, every arm's weights checked against the plain loop's; only the arms a
+  target reads (P has no per-client target, A no cohort one: 2026-11-29's H200 run lost B6 to time). R (ResNet-10) is left to (d),
   pfl to run.py itself (no side venv on a fresh machine).
 * (c) cohorts: run.py's cohort arm run with ``runtime.cohort_size: auto`` (K from the GPU memory
   free, at most 64, at most a chunk's clients), so it shares (a)'s plain-loop reference.
@@ -63,7 +64,7 @@ from benchmarks import run as bench  # noqa: E402 - no torch: the driver never i
 
 BUDGET_S = 480.0  # the whole check on one H100, Ray's starts included
 FINISH_S = 10.0  # kept for the table and the copies at the end
-PAPER_RESERVE_S = 110.0  # what (d) is left at least, whatever (a) takes
+PAPER_RESERVE_S = 90.0  # what (d) is left at least, whatever (a) takes (it took 78 s on an H200)
 BENCH_WORKLOADS = ("A", "B", "D", "P", "B6")
 PAPER_METHODS = ("fedavg", "fdse")
 DET_HOSTS = (1, 2, 4)
@@ -690,7 +691,8 @@ def drive(mode: Mode, out: str, work: str, t_start: float, budget: float, python
         run_job(first)
         bench_out = os.path.join(work, "bench")
         cmd = [python, os.path.join(HERE, "run.py"), "--device", mode.device, "--out", bench_out,
-               "--only", ",".join(mode.bench_workloads), "--cohort-size", "auto", "--no-pfl", "--timeout", "120"]
+               "--only", ",".join(mode.bench_workloads), "--cohort-size", "auto", "--no-pfl", "--timeout", "120",
+               "--targets-only"]
         cmd += ["--quick"] if mode.device == "cuda" else ["--rounds", "1"]
         bench_job = Job("(a)+(c) run.py", ["bench"], cmd, os.path.join(logs, "bench.log"))
         reserve = PAPER_RESERVE_S if mode.device == "cuda" else left() / 3

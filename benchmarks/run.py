@@ -624,8 +624,15 @@ class DeviceBench(Bench):
         return f"{hosts} host(s) x 1 CPU, 1 thread"
 
 
-def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_size, pfl: tuple | None) -> None:
-    """The plain loop on the device, then raysim per-client at each H, cohorts, pfl (cuda)."""
+def targeted(workload: str, ratio_names: tuple[str, ...]) -> bool:
+    """Whether a ``DEVICE_TARGETS`` line reads one of these ratios of this workload."""
+    return any((workload, name) in DEVICE_TARGETS for name in ratio_names)
+
+
+def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_size, pfl: tuple | None,
+                    targets_only: bool = False) -> None:
+    """The plain loop on the device, then raysim per-client at each H, cohorts, pfl (cuda); with
+    ``targets_only``, only the arms a target reads (the GPU check's time is short)."""
     w = spec["name"]
     steps = steps_per_round(spec)
     try:
@@ -651,7 +658,8 @@ def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_s
         return median_round(res) if diff <= tol else None
 
     best = None
-    for h in hosts:
+    per_client = not targets_only or targeted(w, ("raysim_best/plain",) + tuple(f"raysim_h{h}/plain" for h in hosts))
+    for h in hosts if per_client else ():
         t = arm(f"raysim H={h}", f"raysim-h{h}", h, b.host_runtime(h), b.host_resources(h))
         if t is not None:
             b.ratio(w, f"raysim_h{h}/plain", t / base)
@@ -659,7 +667,9 @@ def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_s
     if best is not None:
         b.ratio(w, "raysim_best/plain", best / base)
     why = cohort_unavailable()
-    if why is not None:
+    if targets_only and not targeted(w, ("cohort/plain",)):
+        pass
+    elif why is not None:
         b.record(w, "raysim cohorts", "1 host", na=why)
     else:
         t = arm(f"raysim cohorts K={cohort_size}", "raysim-cohort", 1,
@@ -728,7 +738,7 @@ def device_main(ns, out: str) -> int:
         spec = DEVICE_WORKLOADS[w](1)
         load(spec["dataset"], seed=int(spec["seed"]), **spec.get("data_options", {}))
     for w in [w for w in DEVICE_ORDER if w in only]:
-        device_workload(b, DEVICE_WORKLOADS[w](rounds[w]), hosts, cohort_size, pfl)
+        device_workload(b, DEVICE_WORKLOADS[w](rounds[w]), hosts, cohort_size, pfl, ns.targets_only)
     targets = device_targets(b.ratios) if device == "cuda" else []
     b.results.update(load_after=load_average(), seconds=time.perf_counter() - t0, rows=b.rows,
                      ratios=[list(r) for r in b.ratios], machine=versions() + gpu_name(device), device=device,
@@ -812,6 +822,8 @@ def main(argv=None) -> int:
                         "several host counts, cohorts and pfl (cuda); cpu: its smoke test")
     p.add_argument("--deterministic", action="store_true",
                    help="with --device: deterministic kernels in every arm (runtime.deterministic)")
+    p.add_argument("--targets-only", action="store_true",
+                   help="with --device: run only the arms a device target reads (no per-client P, no cohort A)")
     p.add_argument("--cohort-size", default="16", help="with --device: the cohort arm's runtime.cohort_size")
     p.add_argument("--no-flower", action="store_true", help="skip the Flower arm")
     p.add_argument("--no-pfl", action="store_true", help="skip the pfl-research arm")

@@ -152,3 +152,18 @@ def test_det_and_paper_rows():
     assert rows[0].result == "ERROR" and "(pilot only)" in rows[0].measured and rows[0].measured.endswith(
         "main run: its step ran out of its 100 s")
     assert rows[1].measured == "no result: its step ran out of its 100 s"
+
+
+def test_a_cuda_workers_command_has_no_ray_flag_which_only_the_cpu_smoke_takes():
+    """2026-11-29's first H200 run: the cuda workers got --ray, which parses as an error (exit 2)."""
+    cuda = gpu_check.worker_cmd("py", gpu_check.mode_of("cuda", False), "/w", ["prep", "det"], 1.0)
+    assert cuda[2:4] == ["--device", "cuda"] and "--ray" not in cuda
+    assert "--ray" in gpu_check.worker_cmd("py", gpu_check.mode_of("cpu", True), "/w", ["det"], 1.0)
+
+
+def test_targets_only_keeps_the_arms_a_target_reads():
+    from benchmarks.run import targeted
+
+    assert targeted("P", ("cohort/plain",)) and not targeted("P", ("raysim_best/plain", "raysim_h1/plain"))
+    assert targeted("A", ("raysim_h1/plain",)) and not targeted("A", ("cohort/plain",))
+    assert all(targeted(w, ("raysim_best/plain",)) and targeted(w, ("cohort/plain",)) for w in ("B", "D", "B6"))
