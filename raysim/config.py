@@ -19,7 +19,7 @@ import yaml
 from raysim.core.errors import UserError
 from raysim.core.files import write_yaml
 from raysim.core.partition_spec import partition_spec
-from raysim.core import server_optimizers as serveropt
+from raysim.core import server_optimizer_defaults as serveropt
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig

@@ -18,7 +18,6 @@ import time
 
 from raysim.core.errors import Interrupted, TrainingDiverged, TryLater, UserError, first_line
 from raysim.core.files import write_json
-from raysim.engine import wire
 
 SLOT_SETTLE_TRIES, SLOT_SETTLE_S = 4, 0.25  # parallel_slots: up to 1 s for freed actors to show
 
@@ -214,6 +213,7 @@ NODE_POLL_S = 0.02  # how often lean_start asks the GCS whether the new node has
 # The raylet's own start lost that race in 3 of 8 runs here and waited a whole second.
 CONNECT_POLL = {"raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500}
 API_SERVER_ENV = "RAYSIM_RAY_API_SERVER"  # =1: raysim's own Ray starts Ray's API server after all
+MONITOR_ENV = "RAYSIM_RAY_MONITOR"  # =1: raysim's own Ray starts Ray's autoscaler monitor after all
 
 
 def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int = 0,
@@ -255,14 +255,18 @@ def start_local_ray(num_cpus: int, num_gpus: float | None = None, niceness: int 
 
 @contextlib.contextmanager
 def lean_start():
-    """Inside, a local ``ray.init`` skips two waits that raysim's own instance does not need
-    (Ray 2.60; measured on the 2-core VM, ``ray.init`` 2.4-2.5 s -> 1.4-1.5 s):
+    """Inside, a local ``ray.init`` skips two waits and a process that raysim's own instance does
+    not need (Ray 2.60; measured on the 2-core VM, ``ray.init`` 2.4-2.5 s -> 1.4-1.5 s):
 
     * Ray's API server, the dashboard's head process that Ray starts even with
       ``include_dashboard=False`` (for ``ray job`` and the state API, ``ray list``), is not
       started: ``ray.init`` waits 0.4-0.8 s for it to answer. raysim's instance is private to its
       driver (loopback, a token, a session folder only this user reads) and uses neither;
       ``RAYSIM_RAY_API_SERVER=1`` starts it as Ray would.
+    * Ray's autoscaler monitor (``ray status``'s source; it scales nothing on one machine without
+      an autoscaling config) is not started: a Python process whose start took ~0.5 s of CPU from
+      the hosts' and server's own starts on two cores, then ~1 ms a round.
+      ``RAYSIM_RAY_MONITOR=1`` starts it as Ray would.
     * The new node's registration is awaited by asking the GCS every ``NODE_POLL_S``: Ray's own
       wait (``services.get_node``) polls once a second, and the raylet registers ~0.4 s in.
 
@@ -270,7 +274,8 @@ def lean_start():
     from ray._private import node, services
 
     saved_api, saved_get_node = getattr(node.Node, "start_api_server", None), getattr(services, "get_node", None)
-    if saved_api is None or saved_get_node is None:
+    saved_monitor = getattr(node.Node, "start_monitor", None)
+    if saved_api is None or saved_get_node is None or saved_monitor is None:
         yield
         return
 
@@ -281,10 +286,13 @@ def lean_start():
     services.get_node = registered_node
     if os.environ.get(API_SERVER_ENV) != "1":
         node.Node.start_api_server = lambda self, **_: None
+    if os.environ.get(MONITOR_ENV) != "1":
+        node.Node.start_monitor = lambda self: None
     try:
         yield
     finally:
         node.Node.start_api_server, services.get_node = saved_api, saved_get_node
+        node.Node.start_monitor = saved_monitor
 
 
 def _await_registration(gcs_address: str, node_id: str, timeout_s: float = 10.0) -> None:
@@ -513,6 +521,7 @@ def launch_pool(cfg, num_hosts: int) -> tuple:
     from ray.util.placement_group import get_current_placement_group, placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from raysim.engine import wire
     from raysim.engine.determinism import actor_options
     from raysim.engine.host import ClientHost
 

@@ -57,3 +57,21 @@ def test_an_address_where_no_cluster_answers_is_one_line_within_10_s(tmp_path):
         assert "head node is running" in lines[0] and "firewall" in lines[0]
         assert float(r.stdout) <= 10.0
         assert os.listdir(tmp_path) == ["c.yaml"]
+
+
+def test_a_config_is_read_and_its_mistakes_found_without_importing_torch(tmp_path):
+    """A mistyped key is one line in a fraction of a second: reading a config imports no torch
+    (~2 s of a core), and neither does the module that starts Ray (raysim.engine.cluster)."""
+    path = tmp_path / "typo.yaml"
+    path.write_text("method: fedavg\nrounds: 2\nmodle: {name: mlp}\n")
+    code = ("import sys; from raysim.config import load_config; import raysim.engine.cluster\n"
+            "cfg = load_config(sys.argv[1], ['rounds=3'])\n"
+            "print(cfg.rounds, 'torch' in sys.modules)\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("method: fedavg\nrounds: 2\nserver: {optimizer: adam}\n")
+    r = subprocess.run([sys.executable, "-c", code, str(good)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["3", "False"], r.stderr
+    r = subprocess.run([sys.executable, "-c", "import sys, raysim.cli\ntry:\n    raysim.cli.main(['run', sys.argv[1]])\n"
+                        "finally:\n    print('torch' in sys.modules)\n", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert "unknown config key 'modle'" in r.stderr and r.stdout.split() == ["False"], r.stderr
