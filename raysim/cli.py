@@ -132,7 +132,8 @@ def cmd_run(ns) -> int:
     if path is None:
         path = quickstart()
         if not path.is_file():
-            raise UserError(f"no CONFIG given and the quickstart config is missing: {path}")
+            raise UserError(not_installed("the quickstart config")
+                            or f"no CONFIG given and the quickstart config is missing: {path}")
     cfg = load_checked(find_config(path), overrides)
     if ns.check:
         return _check(cfg, ns.address)
@@ -246,6 +247,24 @@ def console_main() -> None:
     sys.exit(code)
 
 
+# raysim's packages that are the checkout's top-level folders, mapped by pyproject's package-dir:
+# only an install (editable or not) makes them importable, and registers the methods' entry points
+MAPPED_PACKAGES = ("raysim.methods", "raysim.tuning", "raysim.configs", "raysim.examples")
+
+
+def not_installed(missing: str) -> str | None:
+    """The one line for raysim run from a checkout it was never installed from (``missing``: what
+    it lacks; no raysim distribution in this Python), else None."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("raysim")
+        return None
+    except metadata.PackageNotFoundError:
+        return (f"raysim is not installed in this Python ({sys.executable}): {missing} comes with the "
+                "install; run `pip install -e .` (or `make run`) in the checkout")
+
+
 def _on_sigterm(signum, frame):
     raise Terminated()
 
@@ -282,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         print("raysim: interrupted", file=sys.stderr)
         return 128 + signal_of(err)
+    except ModuleNotFoundError as err:  # any other missing module is a bug's, with its traceback
+        why = not_installed(f"module {err.name}") if err.name in MAPPED_PACKAGES else None
+        if why is None:
+            raise
+        print(f"raysim: error: {why}", file=sys.stderr)
+        return 2
     except OSError as err:  # a write no part of raysim named (the run's own are WriteFailed)
         from raysim.core.files import describe
         where = f" ({err.filename})" if getattr(err, "filename", None) else ""

@@ -75,3 +75,37 @@ def test_a_config_is_read_and_its_mistakes_found_without_importing_torch(tmp_pat
                         "finally:\n    print('torch' in sys.modules)\n", str(path)],
                        capture_output=True, text=True, timeout=120)
     assert "unknown config key 'modle'" in r.stderr and r.stdout.split() == ["False"], r.stderr
+
+
+def _without_raysim_methods(monkeypatch):
+    """raysim.methods unimportable, as in a checkout that was never installed (pyproject maps the
+    checkout's methods/ folder to it only in an install)."""
+    for name in [n for n in sys.modules if n == "raysim.methods" or n.startswith("raysim.methods.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "raysim.methods", None)
+
+
+def test_a_checkout_never_installed_is_one_line_saying_so(monkeypatch, capsys):
+    from importlib import metadata
+
+    from raysim import cli
+
+    assert cli.not_installed("anything") is None  # this Python has raysim installed (editable)
+
+    def no_install_record(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", no_install_record)
+    _without_raysim_methods(monkeypatch)
+    assert cli.main(["methods"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("raysim: error: raysim is not installed in this Python")
+    assert "module raysim.methods" in err and "pip install -e ." in err
+
+
+def test_where_raysim_is_installed_a_missing_module_is_a_bugs_traceback(monkeypatch):
+    from raysim import cli
+
+    _without_raysim_methods(monkeypatch)
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["methods"])
