@@ -375,7 +375,11 @@ def run_cohort(method: Method, model: nn.Module, clients: list[CohortClient], af
         after(mb.ctx, up, pre + trained[i] + m.macs if meter else None)
 
 
-def auto_cohort_size(model: nn.Module, device: torch.device, batch_size: int, image_shape, limit: int = 64) -> int:
+AUTO_COHORT_MAX = 64  # the most clients runtime.cohort_size 'auto' puts in one cohort
+
+
+def auto_cohort_size(model: nn.Module, device: torch.device, batch_size: int, image_shape,
+                     limit: int = AUTO_COHORT_MAX) -> int:
     """``runtime.cohort_size: auto``: as many clients as half the GPU memory free now holds, each
     needing its parameters four times over (weights, gradient, momentum, a loss tensor such as
     FedProx's anchor) and its activations twice (kept for the backward, and their gradients) at the

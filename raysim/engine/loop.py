@@ -35,6 +35,7 @@ from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
 from raysim.engine.balance import least_chunk, plan_for
+from raysim.engine.cohort import AUTO_COHORT_MAX
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
@@ -428,11 +429,16 @@ class FederationRun:
         returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
         limit = self.cfg.runtime.steal_state_mb * 2**20
         # chunks sized by measured time, except where hosts train cohorts: a cohort forms within a
-        # chunk, so timed chunks would make the cohorts, and their sums' rounding, vary between runs
-        timed = self.cfg.runtime.cohort_size in (0, 1)
+        # chunk, so timed chunks would make the cohorts, and their sums' rounding, vary between runs;
+        # there a chunk holds a whole cohort at least (shrinking chunks cut 100 clients of one host
+        # into 14 cohorts, most of a few clients, where K = 64 makes 2)
+        k = self.cfg.runtime.cohort_size
+        if k in (0, 1):
+            least = {h: least_chunk(s) for h, s in self.client_seconds.items()}
+        else:
+            least = dict.fromkeys(range(len(self.hosts)), AUTO_COHORT_MAX if k == "auto" else int(k))
         plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
-                         lambda c: self.state_bytes.get(c, 0) <= limit,
-                         least={h: least_chunk(s) for h, s in self.client_seconds.items()} if timed else {})
+                         lambda c: self.state_bytes.get(c, 0) <= limit, least=least)
         # the records a thief may need, read from each owner before its first chunk (so a busy owner
         # never holds a thief up); clients without a record start from their initial state anywhere
         exports = {h: box(self.hosts[h].export_records.remote(cids))

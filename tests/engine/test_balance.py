@@ -9,6 +9,7 @@ import pytest
 from raysim.config import load_config
 from raysim.app.experiment import federation
 from raysim.engine.balance import LEAST_CHUNK_SECONDS, StealingPlan, job_trainers, least_chunk
+from raysim.engine.cohort import AUTO_COHORT_MAX
 from raysim.testing import ElsewherePlan
 
 TINY = {
@@ -91,11 +92,14 @@ def test_the_driver_sizes_a_hosts_chunks_from_its_measured_clients(ray_session, 
     _run(tmp_path, "floors", "rounds=2", plan=RecordingPlan)
     assert RecordingPlan.floors[1] == {}  # nothing measured before the first round
     assert set(RecordingPlan.floors[2]) == {0, 1} and all(k >= 1 for k in RecordingPlan.floors[2].values())
-    # with cohorts the chunks keep the quarter rule: a cohort forms within a chunk, and timed chunks
-    # would make the cohorts (and their rounding) vary from run to run
+    # with cohorts a chunk holds a whole cohort at least, in every round: a cohort forms within a
+    # chunk, and timed chunks would make the cohorts (and their rounding) vary from run to run
     RecordingPlan.floors = {}
-    _run(tmp_path, "cohorts", "rounds=2", "runtime.cohort_size=2", plan=RecordingPlan)
-    assert RecordingPlan.floors[2] == {}
+    _run(tmp_path, "cohorts", "rounds=2", "runtime.cohort_size=3", plan=RecordingPlan)
+    assert RecordingPlan.floors[1] == RecordingPlan.floors[2] == {0: 3, 1: 3}
+    RecordingPlan.floors = {}  # 'auto' (K from the GPU memory free, on each host): the most it picks
+    _run(tmp_path, "cohorts_auto", "rounds=1", "runtime.cohort_size=auto", plan=RecordingPlan)
+    assert RecordingPlan.floors[1] == {0: AUTO_COHORT_MAX, 1: AUTO_COHORT_MAX} and AUTO_COHORT_MAX == 64
 
 
 @pytest.mark.slow
