@@ -23,6 +23,7 @@ from raysim.core import server_optimizer_defaults as serveropt
 from raysim.core.settings import build, setting
 
 SELECT_RULES = ("val", "val_weighted", "test", "final")  # eval.select: see EvalConfig
+AUTO_COHORT_MAX = 64  # the most clients runtime.cohort_size 'auto' puts in one cohort
 
 
 @dataclass
@@ -108,7 +109,8 @@ class RuntimeConfig:
     deterministic: bool = False
     # client cohorts (raysim.engine.cohort): a host trains up to this many of its round's clients
     # at once as one vectorized step, where the method allows it (Method.local_loss); 0 or 1: one by
-    # one; "auto": as many as fit the host's share of GPU memory (off on a CPU; refused with deterministic)
+    # one; "auto": as many as fit the host's share of GPU memory, at most AUTO_COHORT_MAX (off on a
+    # CPU; refused with deterministic)
     cohort_size: int | str = setting(0, ge=0, expected="an integer >= 0 or 'auto'")
     spill_dir: str | None = None  # None: a temp folder per host
     address: str | None = None  # Ray address: None (local, or RAY_ADDRESS), "auto", "ray://..."

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_map, tree_structure
 
 from raysim.core.contract import ClientContext, LocalLoss, Method
 from raysim.models.dropout import KeyedDropout, cohort_masks
+from raysim.config import AUTO_COHORT_MAX
 from raysim.engine.compute import METERED_LAYERS
 
 
@@ -373,9 +374,6 @@ def run_cohort(method: Method, model: nn.Module, clients: list[CohortClient], af
         with meter_cm as m, drop_cm:
             up = mb.spec.finish(mb.ctx) if mb.spec.finish is not None else method.upload(mb.ctx, mb.ctx.stats())
         after(mb.ctx, up, pre + trained[i] + m.macs if meter else None)
-
-
-AUTO_COHORT_MAX = 64  # the most clients runtime.cohort_size 'auto' puts in one cohort
 
 
 def auto_cohort_size(model: nn.Module, device: torch.device, batch_size: int, image_shape,

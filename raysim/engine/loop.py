@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from raysim.engine import checkpoint, runstate
-from raysim.config import dump_yaml
+from raysim.config import AUTO_COHORT_MAX, dump_yaml
 from raysim.engine.layout import host_layout
 from raysim.core.errors import Interrupted, MethodFailed, RunFailed, TryLater, UserError, signal_of
 from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, TrainedClients, TrainJobs, box
@@ -35,7 +35,6 @@ from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
 from raysim.engine.balance import least_chunk, plan_for
-from raysim.engine.cohort import AUTO_COHORT_MAX
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for

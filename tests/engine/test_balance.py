@@ -6,10 +6,9 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from raysim.config import load_config
+from raysim.config import AUTO_COHORT_MAX, load_config
 from raysim.app.experiment import federation
 from raysim.engine.balance import LEAST_CHUNK_SECONDS, StealingPlan, job_trainers, least_chunk
-from raysim.engine.cohort import AUTO_COHORT_MAX
 from raysim.testing import ElsewherePlan
 
 TINY = {
