@@ -14,8 +14,8 @@ runs out of time gives ERROR rows; the others still run):
 * (a) ``bench``: ``benchmarks/run.py --device cuda --quick --only A,B,D,P,B6 --cohort-size auto
   --no-pfl --targets-only``: the plain GPU loop (the reference), raysim per-client at 1 and 4 hosts
   and (c) the cohort arm, every arm's weights checked against the plain loop's; only the arms a
-  target reads (P has no per-client target, A no cohort one: 2026-11-29's H200 run lost B6 to time). R (ResNet-10) is left to (d),
-  pfl to run.py itself (no side venv on a fresh machine).
+  target reads (P has no per-client target, A no cohort one: 2026-11-29's H200 run lost B6 to
+  time). R (ResNet-10) is left to (d), pfl to run.py itself (no side venv on a fresh machine).
 * (c) cohorts: run.py's cohort arm run with ``runtime.cohort_size: auto`` (K from the GPU memory
   free, at most 64, at most a chunk's clients), so it shares (a)'s plain-loop reference.
 * (d) ``paper``: FedAvg and FDSE on digits5 with ResNet-10 at 32 px in FDSE's cross-silo protocol

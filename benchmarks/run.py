@@ -667,11 +667,10 @@ def device_workload(b: DeviceBench, spec: dict, hosts: tuple[int, ...], cohort_s
     if best is not None:
         b.ratio(w, "raysim_best/plain", best / base)
     why = cohort_unavailable()
-    if targets_only and not targeted(w, ("cohort/plain",)):
-        pass
-    elif why is not None:
+    cohorts = not targets_only or targeted(w, ("cohort/plain",))
+    if cohorts and why is not None:
         b.record(w, "raysim cohorts", "1 host", na=why)
-    else:
+    elif cohorts:
         t = arm(f"raysim cohorts K={cohort_size}", "raysim-cohort", 1,
                 b.host_runtime(1, {"cohort_size": cohort_size}), b.host_resources(1) + f", cohort_size {cohort_size}",
                 tol=max(b.tolerance, COHORT_TOLERANCE))
