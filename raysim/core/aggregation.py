@@ -61,7 +61,9 @@ def accumulate(sums: dict[str, torch.Tensor], tensors: Tensors, weight: float, k
     (``tests/engine/test_device_hot_path.py``)."""
     weight = float(weight)
     for k in (tensors if keys is None else keys):
-        t = tensors[k].detach()
+        t = tensors[k]
+        if t.requires_grad:  # an upload's tensors are detached already (state_dict's): no operation per tensor then
+            t = t.detach()
         s = sums.get(k)
         if s is None:
             sums[k] = t.to(torch.float64, copy=True).mul_(weight)

@@ -579,7 +579,7 @@ class Method:
         personal = self.personal_keys(ctx.model)
         sd = ctx.model.state_dict()
         ctx.state["personal"] = cpu_copy({k: v for k, v in sd.items() if k in personal})
-        shared = {k: v.detach() for k, v in sd.items() if k not in personal}
+        shared = {k: v for k, v in sd.items() if k not in personal}  # state_dict's tensors are detached
         return Upload(tensors=shared, weight=client_weight(ctx), metrics=stats)
 
     # ---- evaluation -----------------------------------------------------------------------
