@@ -152,6 +152,12 @@ def main(argv=None) -> int:
     least = PROFILED_ROUND if ns.profile else COUNTED_ROUND
     if ns.rounds < least:
         p.error(f"--rounds must be at least {least} (round {COUNTED_ROUND} is counted, {PROFILED_ROUND} profiled)")
+    if ns.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("cohort_ops: error: --device cuda needs CUDA, and torch sees no GPU here; without "
+                  "--device the counts run on the CPU", file=sys.stderr)
+            return 2
     k = ns.cohort_size if ns.cohort_size == "auto" else int(ns.cohort_size)
     r = measure(ns.workload, k, ns.rounds, ns.device, ns.profile)
     text = render(r)

@@ -31,3 +31,17 @@ def test_the_script_writes_its_table_of_a_cohort_round(tmp_path):
     assert "round 2: 100 clients" in text
     assert "cohort.train_cohort" in text and "cohort.snapshot" in text
     assert (tmp_path / "cohort_ops.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(capsys):
+    assert cohort_ops.main(["--device", "cuda", "--out", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs CUDA" in err[0]
+
+
+def test_on_a_gpu_the_clients_data_stays_there_as_in_run_pys_device_arms():
+    from benchmarks.run import DEVICE_DATA_MB
+    assert cohort_ops.config("D", 64, 3, "cuda").runtime.device_data_mb == DEVICE_DATA_MB
+    cpu = cohort_ops.config("D", 64, 3, "cpu").runtime
+    assert cpu.device_data_mb == 0 and cpu.cohort_size == 64
