@@ -42,7 +42,6 @@ class OpCounter:
     code (``raysim/``, ``methods/``) on the Python stack."""
 
     def __init__(self):
-        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         self.counts: collections.Counter = collections.Counter()
@@ -58,7 +57,7 @@ class OpCounter:
                     frame = frame.f_back
                 counts[" < ".join(where) or "(outside raysim)"] += 1
                 return func(*args, **(kwargs or {}))
-        self.mode, self._torch = Mode(), torch
+        self.mode = Mode()
 
     def __enter__(self):
         self.mode.__enter__()
@@ -80,7 +79,7 @@ def config(workload: str, cohort_size, rounds: int, device: str):
 
 def measure(workload: str, cohort_size, rounds: int, device: str, profile: bool) -> dict:
     """One federation with one in-process host on ``device``; round ``COUNTED_ROUND``'s operations
-    counted (and profiled, ``profile``), every round timed."""
+    counted, round ``PROFILED_ROUND`` profiled (``profile``), every round timed."""
     import torch
     from raysim.app.experiment import federation
     from raysim.engine import host as host_mod
