@@ -259,8 +259,8 @@ class ElsewherePlan(StealingPlan):
     client's record leaves its owner and comes back every round. A check, not a policy: a method
     whose results change under it keeps something of a client outside the client's record."""
 
-    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable=None, least=None):
-        super().__init__(rnd, queues, num_hosts, lambda c: True)
+    def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable=None, least=None, costs=None):
+        super().__init__(rnd, queues, num_hosts, lambda c: True)  # the owners' queues, not evened out
 
     def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
         owner = (host - 1) % self.num_hosts

@@ -9,6 +9,12 @@ another host's queue, but only clients whose stored state is small (``runtime.st
 their record travels through the object store to the host that trains them and back to the owner,
 and their data view is rebuilt there. Clients with large state stay on their owner.
 
+Stealing alone evens out too late: k mod H splits 50 clients over 2 hosts 28-22 or worse about
+half the time, and when the short queue runs dry the long one's last two chunks are already in
+flight, where no thief can take them (P's hosts ended 35-40 ms apart a round). So before the round
+the plan evens the queues out by what each client is expected to cost (its training examples, at
+its host's measured pace) and stealing is left with the timing's noise.
+
 Which host ran a client never changes the results: every draw is keyed by (seed, round, client),
 the model a client trains is loaded from the payload and its own record, and the uploads are
 summed in float64 whatever the grouping (raysim.core.aggregation).
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
+from functools import cached_property
 
-OWN_CHUNK_DIVISOR = 4  # a host's next chunk: a quarter of what is left in its own queue (at least 1)
+OWN_CHUNK_DIVISOR = 2  # a host's next chunk: half of what is left in its own queue (at least 1)
 PIPELINE = 2  # chunks of its own queue a host has in flight, so it never waits for the driver
 # the least training time worth a chunk of its own: a chunk costs ~1.5 ms of CPU in the driver, the
 # raylet and the host whatever its size, so a chunk of one 4 ms client (workload D) spends a quarter
@@ -34,23 +42,85 @@ def least_chunk(seconds_per_client: float | None) -> int:
     return math.ceil(LEAST_CHUNK_SECONDS / seconds_per_client)  # >= 1: both are positive
 
 
+@dataclass(frozen=True)
+class Costs:
+    """What the plan expects each client's training to take: ``examples`` (client -> its training
+    examples; a client not trained yet counts the mean of those known, or 1) at ``pace`` (host ->
+    its seconds per example; a host not measured yet, or every host with an empty ``pace``, the
+    mean pace)."""
+
+    examples: dict[int, int] = field(default_factory=dict)
+    pace: dict[int, float] = field(default_factory=dict)
+
+    def seconds(self, host: int, client: int) -> float:
+        return self.examples.get(client, self._mean_examples) * self.pace.get(host, self._mean_pace)
+
+    @cached_property
+    def _mean_examples(self) -> float:
+        return sum(self.examples.values()) / len(self.examples) if self.examples else 1.0
+
+    @cached_property
+    def _mean_pace(self) -> float:
+        return sum(self.pace.values()) / len(self.pace) if self.pace else 1.0
+
+
 class StealingPlan:
-    """The round's clients queued on their owners; chunks out to hosts as they ask."""
+    """The round's clients queued on their owners, evened out; chunks out to hosts as they ask."""
 
     def __init__(self, rnd: int, queues: dict[int, list[int]], num_hosts: int, movable,
-                 least: dict[int, int] | None = None):
+                 least: dict[int, int] | None = None, costs: Costs | None = None):
         """``queues``: owner -> its sampled clients; ``movable(client)``: whether its state may travel;
         ``least``: host -> the fewest clients of its own queue worth a chunk (:func:`least_chunk`; 1
-        where absent)."""
+        where absent); ``costs``: what evens the queues out before the round (None: left as the
+        owners split them)."""
         self.rnd, self.num_hosts, self.movable = rnd, num_hosts, movable
         self.least = least or {}
         self.queues = {h: deque(sorted(queues.get(h, ()))) for h in range(num_hosts)}
+        self.adopted: dict[int, deque[tuple[int, int]]] = {h: deque() for h in range(num_hosts)}
+        """host -> (owner, client) moved to it before the round, trained before its own queue."""
+        if costs is not None:
+            self._even_out(costs)
+
+    def _even_out(self, costs: Costs) -> None:
+        """While it brings the last host's expected end earlier, move the movable client nearest
+        the tail of that host's queue to the host expected to end first."""
+        end = {h: sum(costs.seconds(h, c) for c in q) for h, q in self.queues.items()}
+        while True:
+            late = max(end, key=lambda h: (end[h], -h))
+            early = min(end, key=lambda h: (end[h], h))
+            moving = next((c for c in reversed(self.queues[late]) if self.movable(c) and
+                           max(end[late] - costs.seconds(late, c), end[early] + costs.seconds(early, c)) < end[late]),
+                          None)
+            if late == early or moving is None:
+                return
+            self.queues[late].remove(moving)
+            self.adopted[early].append((late, moving))
+            end[late] -= costs.seconds(late, moving)
+            end[early] += costs.seconds(early, moving)
+
+    def exhausted(self) -> bool:
+        """Every client of the round handed out."""
+        return not any(self.queues.values()) and not any(self.adopted.values())
+
+    def may_leave(self, owner: int) -> list[int]:
+        """The owner's clients of the round that may train on another host: those moved before the
+        round and its movable queued ones (whose records a thief may need)."""
+        moved = [c for adopted in self.adopted.values() for o, c in adopted if o == owner]
+        return sorted(moved + [c for c in self.queues[owner] if self.movable(c)])
 
     def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
         """(owner, clients) for ``host`` to train next, given the chunks it has ``in_flight``:
-        from its own queue (owner == host; a quarter of it, at least ``least[host]``), else stolen
+        from its own queue (owner == host; half of it, at least ``least[host]``), else stolen
         from the host with the most movable clients queued (half of them, from the tail); (None, [])
-        when there is nothing for it."""
+        when there is nothing for it. Clients moved to it before the round come first, a chunk per
+        owner (their owners' records are exported before any chunk starts)."""
+        adopted = self.adopted[host]
+        if adopted:
+            if in_flight >= PIPELINE:
+                return None, []
+            owner = adopted[0][0]
+            self.adopted[host] = deque((o, c) for o, c in adopted if o != owner)
+            return owner, sorted(c for o, c in adopted if o == owner)
         own = self.queues[host]
         if own:
             if in_flight >= PIPELINE:

@@ -271,6 +271,7 @@ class ClientHost:
         else:
             out.records_for_owner[cid] = record
         out.state_bytes[cid] = state_nbytes(record)
+        out.examples[cid] = self.data[cid].num_train
         metrics = partial.client_metrics[cid] = dict(up.metrics)
         partial.bytes_up += sent
         if self._clocked:

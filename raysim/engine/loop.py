@@ -34,7 +34,7 @@ from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, Trained
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
-from raysim.engine.balance import least_chunk, plan_for
+from raysim.engine.balance import Costs, least_chunk, plan_for
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
@@ -103,6 +103,8 @@ class FederationRun:
         self.plan = plan_for(cfg)
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
         self.client_seconds: dict[int, float] = {}  # host -> wall seconds per client of its last own chunk
+        self.example_seconds: dict[int, float] = {}  # host -> wall seconds per training example, likewise
+        self.client_examples: dict[int, int] = {}  # training examples of each client trained so far
         self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
         self._training_ahead: list = []  # buffered: the hosts' durations of jobs trained after the last step
@@ -312,18 +314,22 @@ class FederationRun:
     def _synchronous_round(self, rnd: int) -> RoundSummary:
         server = self.server
         self.doing = f"round {rnd}"
-        sampled = self._call(server.sample.remote(rnd))
-        while isinstance(sampled, LossQuery):  # the method's select asked for the candidates' local losses
-            sampled = self._call(server.sample.remote(rnd, self._local_losses(sampled)))
-        payload_box, personal = self._call(server.broadcast.remote(rnd, sampled))
+        opened = self._call(server.open_round.remote(rnd))
+        while isinstance(opened, LossQuery):  # the selection asked for the candidates' local losses
+            opened = self._call(server.open_round.remote(rnd, self._local_losses(opened)))
+        sampled, payload_box, personal = opened
+
+        def aggregate(host_results: list):
+            return server.aggregate.remote(rnd, *host_results)
+
         if self.plan is None or len(self.hosts) == 1:
-            futures = [self.hosts[h].train_round.remote(rnd, payload_box, cids,
-                                                        {c: personal[c] for c in cids if c in personal})
-                       for h, cids in split_by_host(sampled, self.owner).items()]
+            summary_ref = aggregate([self.hosts[h].train_round.remote(rnd, payload_box, cids,
+                                                                      {c: personal[c] for c in cids if c in personal})
+                                     for h, cids in split_by_host(sampled, self.owner).items()])
             returned = []
         else:
-            futures, returned = self._train_balanced(rnd, sampled, payload_box, personal)
-        summary: RoundSummary = self._call(server.aggregate.remote(rnd, *futures))
+            summary_ref, returned = self._train_balanced(rnd, sampled, payload_box, personal, aggregate)
+        summary: RoundSummary = self._call(summary_ref)
         self._call(returned)  # moved clients' records are back on their owners before anyone reads them
         return summary
 
@@ -423,26 +429,31 @@ class FederationRun:
                    for h, cids in split_by_host(query.clients, self.owner).items()]
         return LocalLosses.combined(self._call(futures))
 
-    def _train_balanced(self, rnd: int, sampled: list[int], payload_box: list, personal: dict):
-        """Train the round's clients in chunks handed to hosts as they free up (``self.plan``);
-        returns the hosts' end_round refs and the refs of the moved records' return to their owners."""
+    def _train_balanced(self, rnd: int, sampled: list[int], payload_box: list, personal: dict, then):
+        """Train the round's clients in chunks handed to hosts as they free up (``self.plan``).
+        Once the last chunk is handed out, ``then`` gets the hosts' end_round refs (their calls queue
+        behind each host's last chunks, so the server's reduce waits on the hosts, not on the
+        driver); returns what ``then`` returned and the refs of the moved records' return to their
+        owners."""
         limit = self.cfg.runtime.steal_state_mb * 2**20
         # chunks sized by measured time, except where hosts train cohorts: a cohort forms within a
         # chunk, so timed chunks would make the cohorts, and their sums' rounding, vary between runs;
         # there a chunk holds a whole cohort at least (shrinking chunks cut 100 clients of one host
         # into 14 cohorts, most of a few clients, where K = 64 makes 2)
+        # (the queues are evened out by the examples alone there: the hosts' measured paces would too)
         k = self.cfg.runtime.cohort_size
         if k in (0, 1):
             least = {h: least_chunk(s) for h, s in self.client_seconds.items()}
+            costs = Costs(self.client_examples, self.example_seconds)
         else:
             least = dict.fromkeys(range(len(self.hosts)), AUTO_COHORT_MAX if k == "auto" else int(k))
+            costs = Costs(self.client_examples)
         plan = self.plan(rnd, split_by_host(sampled, self.owner), len(self.hosts),
-                         lambda c: self.state_bytes.get(c, 0) <= limit, least=least)
+                         lambda c: self.state_bytes.get(c, 0) <= limit, least=least, costs=costs)
         # the records a thief may need, read from each owner before its first chunk (so a busy owner
         # never holds a thief up); clients without a record start from their initial state anywhere
-        exports = {h: box(self.hosts[h].export_records.remote(cids))
-                   for h, q in plan.queues.items()
-                   if (cids := [c for c in q if c in self.state_bytes and plan.movable(c)])}
+        exports = {h: box(self.hosts[h].export_records.remote(cids)) for h in range(len(self.hosts))
+                   if (cids := [c for c in plan.may_leave(h) if c in self.state_bytes])}
         running: dict = {}  # ref -> (host, owner, clients)
         returned = []
 
@@ -456,20 +467,31 @@ class FederationRun:
                                                          {c: personal[c] for c in cids if c in personal}, moved)
                 running[ref] = (h, owner, len(cids))
 
+        def handed_out():
+            nonlocal after
+            if after is None and plan.exhausted():
+                after = then([host.end_round.remote(rnd) for host in self.hosts])
+
+        after = None
         for h in range(len(self.hosts)):
             feed(h)
+        handed_out()
         while running:
             ready = self._first_done(list(running))
             for ref in ready:
                 h, owner, n = running.pop(ref)
                 done: TrainedClients = self._call(ref)
-                if owner == h:  # what its own clients take there sizes its next chunks (stolen ones travel)
+                if owner == h:  # what its own clients take there sizes its next chunks (moved ones travel)
                     self.client_seconds[h] = done.seconds / n
+                    if examples := sum(done.examples.values()):
+                        self.example_seconds[h] = done.seconds / examples
                 self.state_bytes.update(done.state_bytes)
+                self.client_examples.update(done.examples)
                 if done.records_for_owner:
                     returned.append(self.hosts[owner].import_states.remote(done.records_for_owner))
                 feed(h)
-        return [host.end_round.remote(rnd) for host in self.hosts], returned
+            handed_out()
+        return after, returned
 
     def _actors(self) -> dict:
         """{name: handle} of every actor the federation has now (what the watchdog checks)."""

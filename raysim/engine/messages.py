@@ -99,6 +99,8 @@ class TrainedClients:
     """Each trained client's stored-state size (the driver keeps clients with large state on their host)."""
     records_for_owner: dict[int, dict] = field(default_factory=dict)
     """The new records of clients another host owns (work stealing), to be stored back there."""
+    examples: dict[int, int] = field(default_factory=dict)
+    """Each trained client's training examples (what the driver expects its next rounds to cost)."""
     seconds: float = 0.0
     """Wall seconds the call spent."""
 

@@ -196,6 +196,15 @@ class Server:
         u = rng_for(self.cfg.seed, rnd, SERVER, "available").random(self.n)
         return np.flatnonzero(u < self.availability[self.fed.setup.client_profiles.tiers])
 
+    def open_round(self, rnd: int, answers: LocalLosses | None = None):
+        """:meth:`sample`, then :meth:`broadcast` to the sampled clients: a round's first two steps
+        in one call. Returns ``(client ids, payload box, personal refs)``, or sample's
+        :class:`LossQuery` (the driver calls again with the answers)."""
+        sampled = self.sample(rnd, answers)
+        if isinstance(sampled, LossQuery):
+            return sampled
+        return (sampled, *self.broadcast(rnd, sampled))
+
     def broadcast(self, rnd: int, client_ids: list[int], for_training: bool = True):
         """ray.put the round's payload once; per-client payloads only when the method has them.
 
