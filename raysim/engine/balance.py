@@ -88,10 +88,12 @@ class StealingPlan:
         while True:
             late = max(end, key=lambda h: (end[h], -h))
             early = min(end, key=lambda h: (end[h], h))
+            if late == early:
+                return
             moving = next((c for c in reversed(self.queues[late]) if self.movable(c) and
                            max(end[late] - costs.seconds(late, c), end[early] + costs.seconds(early, c)) < end[late]),
                           None)
-            if late == early or moving is None:
+            if moving is None:
                 return
             self.queues[late].remove(moving)
             self.adopted[early].append((late, moving))

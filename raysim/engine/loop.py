@@ -467,16 +467,14 @@ class FederationRun:
                                                          {c: personal[c] for c in cids if c in personal}, moved)
                 running[ref] = (h, owner, len(cids))
 
-        def handed_out():
-            nonlocal after
-            if after is None and plan.exhausted():
-                after = then([host.end_round.remote(rnd) for host in self.hosts])
-
         after = None
         for h in range(len(self.hosts)):
             feed(h)
-        handed_out()
-        while running:
+        while True:
+            if after is None and plan.exhausted():
+                after = then([host.end_round.remote(rnd) for host in self.hosts])
+            if not running:
+                return after, returned
             ready = self._first_done(list(running))
             for ref in ready:
                 h, owner, n = running.pop(ref)
@@ -490,8 +488,6 @@ class FederationRun:
                 if done.records_for_owner:
                     returned.append(self.hosts[owner].import_states.remote(done.records_for_owner))
                 feed(h)
-            handed_out()
-        return after, returned
 
     def _actors(self) -> dict:
         """{name: handle} of every actor the federation has now (what the watchdog checks)."""
