@@ -118,11 +118,14 @@ class RuntimeConfig:
     # federations of one run (methods x held-out domains) run at once; None: as many as the
     # cluster's free CPUs and GPUs fit, each with its own placement group
     parallel_federations: int | None = setting(None, ge=1)
-    # "steal": a host whose own clients are done takes sampled clients still queued on a busy one,
-    # when the client's stored state is at most steal_state_mb (it travels through the object store;
-    # its data view is rebuilt on the host that trains it); results are identical either way.
-    # "owner": every client trains on its own host (client k on host k mod H)
-    balance: str = setting("steal", one_of=("steal", "owner"))
+    # "even": before a round the hosts' queues are evened out by what each client is expected to
+    # cost (clients whose stored state is at most steal_state_mb may move: it travels through the
+    # object store, and their data view is rebuilt on the host that trains them), then each host
+    # trains its queue; "steal": the same, then a host whose queue is done takes clients still
+    # queued on a busy one (for hosts whose speed changes within a round; each chunk is a call);
+    # "owner": every client trains on its own host (client k on host k mod H). The results are the
+    # same whichever host trains a client
+    balance: str = setting("even", one_of=("even", "steal", "owner"))
     steal_state_mb: float = setting(4.0, ge=0)
     # the nice value of the Ray workers (hosts, server) when raysim starts Ray itself: 0, the
     # priority of any program you start (Ray's own default, 15, lets every other process on the

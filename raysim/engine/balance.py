@@ -15,6 +15,15 @@ flight, where no thief can take them (P's hosts ended 35-40 ms apart a round). S
 the plan evens the queues out by what each client is expected to cost (its training examples, at
 its host's measured pace) and stealing is left with the timing's noise.
 
+Handing a queue out in chunks has a price: each chunk is a call from the driver (~1.5 ms of CPU in
+the driver, the raylet and the host), and a host keeps two chunks in flight so that it never
+waits for the driver, so a host's queue leaves in five or six chunks a round. On two cores that
+cost more than the stealing it allows gained once the queues are evened out before the round
+(stop 67, docs/results.md §11: rounds 3-6% shorter on B, D and P). So ``runtime.balance: even``,
+the default, evens the queues out and hands each host its queue as one chunk; a host that is
+slower for good trains less from the next round on, since its measured pace evens the queues.
+``steal`` adds the chunks and the stealing, for hosts whose speed changes within a round.
+
 Which host ran a client never changes the results: every draw is keyed by (seed, round, client),
 the model a client trains is loaded from the payload and its own record, and the uploads are
 summed in float64 whatever the grouping (raysim.core.aggregation).
@@ -146,9 +155,33 @@ class StealingPlan:
         return victim, sorted(taken)
 
 
+class EvenPlan(StealingPlan):
+    """The round's clients queued on their owners and evened out as :class:`StealingPlan` does, each
+    host's queue then handed out whole: a chunk per owner of the clients moved to it, then its own
+    queue. Nothing is stolen."""
+
+    def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
+        adopted = self.adopted[host]
+        if adopted:
+            owner = adopted[0][0]
+            self.adopted[host] = deque((o, c) for o, c in adopted if o != owner)
+            return owner, sorted(c for o, c in adopted if o == owner)
+        own = self.queues[host]
+        clients = list(own)
+        own.clear()
+        return (host if clients else None), clients
+
+    def may_leave(self, owner: int) -> list[int]:
+        """Only the clients moved before the round leave their owner."""
+        return sorted(c for adopted in self.adopted.values() for o, c in adopted if o == owner)
+
+
+PLANS = {"even": EvenPlan, "steal": StealingPlan}
+
+
 def plan_for(cfg):
-    """The plan class ``runtime.balance`` asks for, or None: every client on its owner."""
-    return StealingPlan if cfg.runtime.balance == "steal" else None
+    """The plan class ``runtime.balance`` asks for, or None (``owner``): every client on its owner."""
+    return PLANS.get(cfg.runtime.balance)
 
 
 def job_trainers(clients, pinned, num_hosts: int) -> dict[int, int]:

@@ -70,7 +70,7 @@ class Server:
         # buffered jobs of clients whose record is their initial one train on whichever host is least
         # loaded (raysim.engine.balance.job_trainers); runtime.balance: owner keeps every job home
         self.num_hosts = host_layout(self.cfg.runtime, self.n)[0]
-        self.move_jobs = self.cfg.runtime.balance == "steal" and self.num_hosts > 1
+        self.move_jobs = self.cfg.runtime.balance != "owner" and self.num_hosts > 1
         # privacy and compression (raysim.core.stages): the noise, the accountant, the adaptive clip
         self.stages = stages_from_config(
             self.cfg, self.method, population=self.n, buffered=self.buffered is not None,

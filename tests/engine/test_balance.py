@@ -1,5 +1,5 @@
-"""Work stealing between hosts (raysim.engine.balance): the plan hands out chunks as the
-description says, and which host trains a client never changes the results (real Ray actors,
+"""Balancing a round's clients over the hosts (raysim.engine.balance): the plans hand out chunks
+as the description says, and which host trains a client never changes the results (real Ray actors,
 records through the object store)."""
 import copy
 import os
@@ -9,7 +9,8 @@ import pytest
 
 from raysim.config import AUTO_COHORT_MAX, load_config
 from raysim.app.experiment import federation
-from raysim.engine.balance import LEAST_CHUNK_SECONDS, Costs, StealingPlan, job_trainers, least_chunk
+from raysim.engine.balance import (LEAST_CHUNK_SECONDS, Costs, EvenPlan, StealingPlan, job_trainers, least_chunk,
+                                   plan_for)
 from raysim.testing import ElsewherePlan
 
 TINY = {
@@ -84,6 +85,26 @@ def test_evening_out_weighs_each_clients_examples_at_each_hosts_pace():
     assert costs.seconds(0, 5) == 40.0 and costs.seconds(1, 0) == 70.0 and Costs().seconds(3, 3) == 1.0
 
 
+def test_the_default_plan_evens_the_queues_out_then_hands_each_host_its_queue_whole():
+    assert plan_for(load_config(raw=TINY)) is EvenPlan
+    assert plan_for(load_config(raw=TINY, overrides=["runtime.balance=steal"])) is StealingPlan
+    assert plan_for(load_config(raw=TINY, overrides=["runtime.balance=owner"])) is None
+    # evened out as the stealing plan does (three of host 0's fourteen move to host 1), then host 1
+    # gets the moved clients as one chunk from their owner and its own queue as another, at once
+    plan = EvenPlan(1, {0: list(range(0, 28, 2)), 1: list(range(1, 16, 2))}, 2, lambda c: True, costs=Costs())
+    assert plan.next_chunk(1, 0) == (0, [22, 24, 26])
+    assert plan.next_chunk(1, 1) == (1, list(range(1, 16, 2)))
+    assert plan.next_chunk(1, 2) == (None, [])
+    assert not plan.exhausted()
+    assert plan.next_chunk(0, 0) == (0, list(range(0, 22, 2)))
+    assert plan.exhausted()
+    # only the moved clients leave their owner (their records are exported), nothing is stolen
+    plan = EvenPlan(1, {0: [0, 2, 4, 6, 8], 1: []}, 2, lambda c: c not in {6, 8}, costs=Costs())
+    assert plan.may_leave(0) == [2, 4] and plan.may_leave(1) == []
+    assert plan.next_chunk(1, 0) == (0, [2, 4]) and plan.next_chunk(1, 0) == (None, [])
+    assert plan.next_chunk(0, 0) == (0, [0, 6, 8])
+
+
 def test_a_dispatchs_jobs_split_evenly_and_pinned_clients_stay_home():
     # owners of 0, 2, 4, 6 are all host 0: unpinned, they alternate over the hosts
     assert job_trainers([6, 0, 4, 2], set(), 2) == {0: 0, 2: 1, 4: 0, 6: 1}
@@ -146,8 +167,9 @@ def test_the_same_results_whichever_host_trains_a_client(ray_session, tmp_path):
     pinned = _run(tmp_path, "owner", "runtime.balance=owner")
     # every client on the host after its owner: FedBN's BN state read from the owner and returned
     moved = _run(tmp_path, "elsewhere", plan=ElsewherePlan)
-    stealing = _run(tmp_path, "steal")  # the default: whatever the timing gives
+    stealing = _run(tmp_path, "steal", "runtime.balance=steal")  # whatever the timing gives
+    evened = _run(tmp_path, "even")  # the default: queues evened out by measured paces
     post_train = _run(tmp_path, "elsewhere-post", "eval.point=post_train", plan=ElsewherePlan)
     pinned_post = _run(tmp_path, "owner-post", "eval.point=post_train", "runtime.balance=owner")
-    assert len(pinned) and pinned.equals(moved) and pinned.equals(stealing)
+    assert len(pinned) and pinned.equals(moved) and pinned.equals(stealing) and pinned.equals(evened)
     assert pinned_post.equals(post_train)
