@@ -41,6 +41,7 @@ PIPELINE = 2  # chunks of its own queue a host has in flight, so it never waits 
 # raylet and the host whatever its size, so a chunk of one 4 ms client (workload D) spends a quarter
 # of its time on the call; 25 ms keeps that under 6% and the round's tail within 25 ms
 LEAST_CHUNK_SECONDS = 0.025
+PACE_WEIGHT = 0.5  # a new measurement's weight in a host's pace (the rest: what it measured before)
 
 
 def least_chunk(seconds_per_client: float | None) -> int:
@@ -49,6 +50,30 @@ def least_chunk(seconds_per_client: float | None) -> int:
     if not seconds_per_client or seconds_per_client <= 0:
         return 1
     return math.ceil(LEAST_CHUNK_SECONDS / seconds_per_client)  # >= 1: both are positive
+
+
+class Paces:
+    """Each host's measured wall seconds per training example and per client, from the chunks of its
+    own clients. A host's first call is left out: it holds the host's warm-up, which differs from
+    host to host (evening round 2 out by round 1 made it the slowest round of P's). Later
+    measurements are averaged exponentially (:data:`PACE_WEIGHT`), so one noisy chunk does not move
+    clients while a host that is slower for good is seen within a few rounds."""
+
+    def __init__(self):
+        self.per_example: dict[int, float] = {}
+        self.per_client: dict[int, float] = {}
+
+    def add(self, host: int, seconds: float, clients: int, examples: int, first: bool = False) -> None:
+        if first or clients <= 0:
+            return
+        self._mix(self.per_client, host, seconds / clients)
+        if examples > 0:
+            self._mix(self.per_example, host, seconds / examples)
+
+    @staticmethod
+    def _mix(table: dict[int, float], host: int, value: float) -> None:
+        old = table.get(host)
+        table[host] = value if old is None else PACE_WEIGHT * value + (1 - PACE_WEIGHT) * old
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class PartialRound:
 class ClientHost:
     def __init__(self, host_id: int, cfg, num_hosts: int, gpu_ids=None):
         self.host_id, self.cfg, self.num_hosts, self._gpu_ids = host_id, cfg, num_hosts, gpu_ids
+        self._trained = False  # whether a train_clients call ran yet (the first one holds the warm-up)
 
     def start(self) -> dict:
         """Load the clients' data and build the model (outside __init__ so errors keep their cause).
@@ -231,7 +232,8 @@ class ClientHost:
         moved = None
         if moved_records is not None:
             moved = unbox(moved_records) or {}
-        out = TrainedClients(host=self.host_id)
+        out = TrainedClients(host=self.host_id, first=not self._trained)
+        self._trained = True
         cohort = self._cohort_size(len(client_ids))
         if cohort > 1:  # runtime.cohort_size: the clients in cohorts, each as it would train alone
             self._train_cohorts(rnd, partial, sorted(client_ids), personal_boxes, moved, out, cohort)

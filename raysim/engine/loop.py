@@ -34,7 +34,7 @@ from raysim.engine.messages import LocalLosses, LossQuery, RoundSummary, Trained
 from raysim.engine.metrics import MetricsLog
 from raysim.core.files import WriteFailed, describe, free_space_note, write_json, write_text, writing
 from raysim.engine.backend import RayActors
-from raysim.engine.balance import Costs, least_chunk, plan_for
+from raysim.engine.balance import Costs, Paces, least_chunk, plan_for
 from raysim.engine.cluster import local_ray_failure, owner_of, plain_reason
 from raysim.engine.watchdog import NodeGone, Stalled, Stopped, Watchdog
 from raysim.core.seeding import SERVER, rng_for
@@ -102,8 +102,7 @@ class FederationRun:
         # runtime.balance: how a round's clients are spread over the hosts (raysim.engine.balance)
         self.plan = plan_for(cfg)
         self.state_bytes: dict[int, int] = {}  # stored-state size of each client that has a record
-        self.client_seconds: dict[int, float] = {}  # host -> wall seconds per client of its last own chunk
-        self.example_seconds: dict[int, float] = {}  # host -> wall seconds per training example, likewise
+        self.paces = Paces()  # each host's seconds per client and per example, from its own chunks
         self.client_examples: dict[int, int] = {}  # training examples of each client trained so far
         self.buffered = False  # schedule.kind buffered (raysim.engine.timeline): server steps, not rounds
         self.sim_time = 0.0  # simulated seconds at the end of the last round (client profiles)
@@ -443,8 +442,8 @@ class FederationRun:
         # (the queues are evened out by the examples alone there: the hosts' measured paces would too)
         k = self.cfg.runtime.cohort_size
         if k in (0, 1):
-            least = {h: least_chunk(s) for h, s in self.client_seconds.items()}
-            costs = Costs(self.client_examples, self.example_seconds)
+            least = {h: least_chunk(s) for h, s in self.paces.per_client.items()}
+            costs = Costs(self.client_examples, self.paces.per_example)
         else:
             least = dict.fromkeys(range(len(self.hosts)), AUTO_COHORT_MAX if k == "auto" else int(k))
             costs = Costs(self.client_examples)
@@ -480,9 +479,7 @@ class FederationRun:
                 h, owner, n = running.pop(ref)
                 done: TrainedClients = self._call(ref)
                 if owner == h:  # what its own clients take there sizes its next chunks (moved ones travel)
-                    self.client_seconds[h] = done.seconds / n
-                    if examples := sum(done.examples.values()):
-                        self.example_seconds[h] = done.seconds / examples
+                    self.paces.add(h, done.seconds, n, sum(done.examples.values()), done.first)
                 self.state_bytes.update(done.state_bytes)
                 self.client_examples.update(done.examples)
                 if done.records_for_owner:

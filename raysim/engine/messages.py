@@ -103,6 +103,9 @@ class TrainedClients:
     """Each trained client's training examples (what the driver expects its next rounds to cost)."""
     seconds: float = 0.0
     """Wall seconds the call spent."""
+    first: bool = False
+    """The host's first call since it started: its seconds hold the warm-up (lazy imports, the first
+    touches of memory), not the host's pace."""
 
 
 @dataclass

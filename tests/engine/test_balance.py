@@ -9,8 +9,8 @@ import pytest
 
 from raysim.config import AUTO_COHORT_MAX, load_config
 from raysim.app.experiment import federation
-from raysim.engine.balance import (LEAST_CHUNK_SECONDS, Costs, EvenPlan, StealingPlan, job_trainers, least_chunk,
-                                   plan_for)
+from raysim.engine.balance import (LEAST_CHUNK_SECONDS, PACE_WEIGHT, Costs, EvenPlan, Paces, StealingPlan, job_trainers,
+                                   least_chunk, plan_for)
 from raysim.testing import ElsewherePlan
 
 TINY = {
@@ -103,6 +103,21 @@ def test_the_default_plan_evens_the_queues_out_then_hands_each_host_its_queue_wh
     assert plan.may_leave(0) == [2, 4] and plan.may_leave(1) == []
     assert plan.next_chunk(1, 0) == (0, [2, 4]) and plan.next_chunk(1, 0) == (None, [])
     assert plan.next_chunk(0, 0) == (0, [0, 6, 8])
+
+
+def test_a_hosts_pace_leaves_its_warm_up_out_and_weighs_each_new_chunk_half():
+    assert PACE_WEIGHT == 0.5
+    paces = Paces()
+    paces.add(0, 9.0, clients=3, examples=30, first=True)  # the warm-up: not the host's pace
+    assert paces.per_example == {} and paces.per_client == {}
+    paces.add(0, 2.0, clients=2, examples=20)
+    assert paces.per_example == {0: 0.1} and paces.per_client == {0: 1.0}
+    paces.add(0, 4.0, clients=2, examples=20)  # half the new 0.2, half the old 0.1
+    assert paces.per_example[0] == 0.5 * 0.2 + 0.5 * 0.1 and paces.per_client[0] == 1.5
+    paces.add(1, 1.0, clients=1, examples=0)  # no examples known: the per-client pace only
+    assert 1 not in paces.per_example and paces.per_client[1] == 1.0
+    paces.add(1, 1.0, clients=0, examples=0)  # an empty chunk measures nothing
+    assert paces.per_client[1] == 1.0
 
 
 def test_a_dispatchs_jobs_split_evenly_and_pinned_clients_stay_home():

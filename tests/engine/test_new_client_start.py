@@ -84,3 +84,12 @@ def test_a_payload_that_leaves_part_of_the_model_out_gets_the_whole_initial_mode
     assert host._training_record(0, None, payload) == {"state": {"personal": {}}}
     load_tensors(host.model, host._init_sd)
     assert _finite(host.model.state_dict())
+
+
+def test_only_a_hosts_first_call_is_flagged_as_its_warm_up():
+    """The driver leaves that call out of the host's pace (raysim.engine.balance.Paces)."""
+    host, payload = _host("fedavg")
+    box = [payload]  # without Ray a box holds the object itself
+    first = host.train_clients(1, box, [0])
+    second = host.train_clients(1, box, [1])
+    assert first.first and not second.first and second.examples == {1: 16}
