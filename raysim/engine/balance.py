@@ -19,7 +19,7 @@ Handing a queue out in chunks has a price: each chunk is a call from the driver 
 the driver, the raylet and the host), and a host keeps two chunks in flight so that it never
 waits for the driver, so a host's queue leaves in five or six chunks a round. On two cores that
 cost more than the stealing it allows gained once the queues are evened out before the round
-(stop 67, docs/results.md §11: rounds 3-6% shorter on B, D and P). So ``runtime.balance: even``,
+(stop 67, docs/results.md §11: rounds 1-6% shorter on B, D and P in alternated runs). So ``runtime.balance: even``,
 the default, evens the queues out and hands each host its queue as one chunk; a host that is
 slower for good trains less from the next round on, since its measured pace evens the queues.
 ``steal`` adds the chunks and the stealing, for hosts whose speed changes within a round.
