@@ -19,9 +19,10 @@ Handing a queue out in chunks has a price: each chunk is a call from the driver 
 the driver, the raylet and the host), and a host keeps two chunks in flight so that it never
 waits for the driver, so a host's queue leaves in five or six chunks a round. On two cores that
 cost more than the stealing it allows gained once the queues are evened out before the round
-(stop 67, docs/results.md §11: rounds 1-6% shorter on B, D and P in alternated runs). So ``runtime.balance: even``,
-the default, evens the queues out and hands each host its queue as one chunk; a host that is
-slower for good trains less from the next round on, since its measured pace evens the queues.
+(stop 67, docs/results.md §11: rounds 1-6% shorter on B, D and P in alternated runs). So
+``runtime.balance: even``, the default, evens the queues out and hands each host its queue as one
+chunk; a host that is slower for good trains less from the next round on, since its measured pace
+evens the queues.
 ``steal`` adds the chunks and the stealing, for hosts whose speed changes within a round.
 
 Which host ran a client never changes the results: every draw is keyed by (seed, round, client),
@@ -141,8 +142,11 @@ class StealingPlan:
     def may_leave(self, owner: int) -> list[int]:
         """The owner's clients of the round that may train on another host: those moved before the
         round and its movable queued ones (whose records a thief may need)."""
-        moved = [c for adopted in self.adopted.values() for o, c in adopted if o == owner]
-        return sorted(moved + [c for c in self.queues[owner] if self.movable(c)])
+        return sorted(self._moved_from(owner) + [c for c in self.queues[owner] if self.movable(c)])
+
+    def _moved_from(self, owner: int) -> list[int]:
+        """The owner's clients moved to other hosts before the round."""
+        return [c for adopted in self.adopted.values() for o, c in adopted if o == owner]
 
     def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
         """(owner, clients) for ``host`` to train next, given the chunks it has ``in_flight``:
@@ -150,13 +154,8 @@ class StealingPlan:
         from the host with the most movable clients queued (half of them, from the tail); (None, [])
         when there is nothing for it. Clients moved to it before the round come first, a chunk per
         owner (their owners' records are exported before any chunk starts)."""
-        adopted = self.adopted[host]
-        if adopted:
-            if in_flight >= PIPELINE:
-                return None, []
-            owner = adopted[0][0]
-            self.adopted[host] = deque((o, c) for o, c in adopted if o != owner)
-            return owner, sorted(c for o, c in adopted if o == owner)
+        if self.adopted[host]:
+            return (None, []) if in_flight >= PIPELINE else self._adopted_chunk(host)
         own = self.queues[host]
         if own:
             if in_flight >= PIPELINE:
@@ -179,6 +178,13 @@ class StealingPlan:
             self.queues[victim].remove(c)
         return victim, sorted(taken)
 
+    def _adopted_chunk(self, host: int) -> tuple[int, list[int]]:
+        """(owner, clients): the clients of one owner moved to ``host`` before the round."""
+        adopted = self.adopted[host]
+        owner = adopted[0][0]
+        self.adopted[host] = deque((o, c) for o, c in adopted if o != owner)
+        return owner, sorted(c for o, c in adopted if o == owner)
+
 
 class EvenPlan(StealingPlan):
     """The round's clients queued on their owners and evened out as :class:`StealingPlan` does, each
@@ -186,11 +192,8 @@ class EvenPlan(StealingPlan):
     queue. Nothing is stolen."""
 
     def next_chunk(self, host: int, in_flight: int) -> tuple[int | None, list[int]]:
-        adopted = self.adopted[host]
-        if adopted:
-            owner = adopted[0][0]
-            self.adopted[host] = deque((o, c) for o, c in adopted if o != owner)
-            return owner, sorted(c for o, c in adopted if o == owner)
+        if self.adopted[host]:
+            return self._adopted_chunk(host)
         own = self.queues[host]
         clients = list(own)
         own.clear()
@@ -198,7 +201,7 @@ class EvenPlan(StealingPlan):
 
     def may_leave(self, owner: int) -> list[int]:
         """Only the clients moved before the round leave their owner."""
-        return sorted(c for adopted in self.adopted.values() for o, c in adopted if o == owner)
+        return sorted(self._moved_from(owner))
 
 
 PLANS = {"even": EvenPlan, "steal": StealingPlan}
