@@ -201,15 +201,25 @@ def reduce_sums(partials: list[tuple[dict, dict]], total: float) -> Tensors:
     """The hosts' float64 sums (``(sums, dtypes)`` in host order) added up, divided by ``total``
     and cast back to each key's dtype: the server's half of :class:`WeightedMean`."""
     sums: dict[str, torch.Tensor] = {}
+    owned: set[str] = set()  # keys whose sum is a buffer of our own (the hosts' partials are only read)
     dtypes: dict[str, torch.dtype] = {}
     for part, part_dtypes in partials:
         for k, v in part.items():
-            if k in sums:
+            if k in owned:
                 sums[k].add_(v)  # in place: the same sums as ``sums[k] + v``, one buffer per key
+            elif k in sums:
+                sums[k] = sums[k] + v
+                owned.add(k)
             else:
-                sums[k] = v.clone()  # the hosts' partials are only read
+                sums[k] = v  # no copy: the first new buffer is the second host's sum or the division's
         dtypes.update(part_dtypes)
-    return {k: cast_like(v.div_(total) if total > 0 else v, dtypes[k]) for k, v in sums.items()}
+
+    def mean(k: str, v: torch.Tensor) -> torch.Tensor:
+        if total > 0:
+            return v.div_(total) if k in owned else v / total
+        return v if k in owned else v.clone()
+
+    return {k: cast_like(mean(k, v), dtypes[k]) for k, v in sums.items()}
 
 
 class KeepAll(Aggregator):

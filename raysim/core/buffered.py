@@ -83,9 +83,16 @@ def delta_upload(tensors: Tensors, base: Tensors) -> Tensors:
     return out
 
 
-def staleness_scaled(delta: Tensors, s: float) -> Tensors:
+def staleness_scaled(delta: Tensors, s: float, in_place: bool = False) -> Tensors:
     """s · Δ for a delta upload's floating-point tensors, rounded once in their own dtype (what a
-    FedBuff client's update becomes before the fold); integer tensors as they are. s = 1: ``delta``."""
+    FedBuff client's update becomes before the fold); integer tensors as they are. s = 1: ``delta``.
+    ``in_place``: into ``delta``'s own tensors (a host's private delta, read once by its fold: no
+    new buffer per job; the same bits as a new one)."""
     if s == 1.0:
+        return delta
+    if in_place:
+        for v in delta.values():
+            if v.is_floating_point():
+                v.mul_(s)
         return delta
     return {k: v * s if v.is_floating_point() else v for k, v in delta.items()}

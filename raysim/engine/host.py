@@ -180,7 +180,10 @@ class ClientHost:
         with the contract's own ``init_client_state`` (it reads those) and ``load_client_model``
         (it then overwrites the payload's shared tensors and the personal ones), and a payload whose
         shared tensors cover the rest of the model, nothing does (D: 0.1 ms a new client)."""
-        record = self.store.get(cid) if moved is None else moved.get(cid)
+        return self._start_record(cid, self.store.get(cid) if moved is None else moved.get(cid), payload)
+
+    def _start_record(self, cid: int, record: dict | None, payload: dict) -> dict:
+        """``record``, or (None) the client's initial one, built as :meth:`_training_record` says."""
         if record is None and self._contract_start and self._shared_keys <= payload.get("global", {}).keys():
             load_tensors(self.model, self._init_personal)
             return {"state": self.method.init_client_state(cid, self.model)}
@@ -400,7 +403,7 @@ class ClientHost:
                 continue
             with keep_state_on(self._state_device):
                 stored = self.store.get(cid)
-                record = self._initial_record(cid, stored)
+                record = self._start_record(cid, stored, mine)
                 initial = copy.deepcopy(record) if stored is None else None  # to see whether the job changes it
                 self.method.load_client_model(self.model, mine, record["state"])
                 ctx = self._context(cid, rnd, mine, record["state"])
@@ -475,7 +478,8 @@ class ClientHost:
             metrics[cid] = {**m, "staleness": float(tau), "dropped_stale": 0.0}
             bytes_up += sent
             if up is not None:
-                tensors = staleness_scaled(up.tensors, scale) if self.method.fold_staleness else up.tensors
+                tensors = (staleness_scaled(up.tensors, scale, in_place=self.stages is None)  # delta_upload's own
+                           if self.method.fold_staleness else up.tensors)
                 self.method.aggregator.add(partial, cid, Upload(tensors, up.weight, statistics=up.statistics))
         for cid, tau in sorted(dropped):
             up, record, m, sent = self._jobs.pop(cid)

@@ -138,3 +138,26 @@ def test_the_server_reduces_into_buffers_of_its_own_leaving_the_hosts_sums_as_th
     by_hand = (before[0]["w"] + before[1]["w"] + before[2]["w"]) / total
     assert torch.equal(out.mean["w"], by_hand.to(torch.float32))
     assert out.mean["n"] == torch.round((before[0]["n"] + before[1]["n"] + before[2]["n"]) / total).to(torch.int64)
+
+
+def test_the_servers_reduce_never_writes_the_hosts_partials_and_returns_its_own_buffers():
+    """reduce_sums adds the hosts' float64 sums without copying the first (they arrive as read-only
+    views of the object store): sums of its own, equal to a copy-then-add, for one, two or three hosts,
+    and with no weight at all."""
+    from raysim.core.aggregation import reduce_sums
+    torch.manual_seed(0)
+    parts = [{"w": torch.randn(7, dtype=torch.float64), "n": torch.tensor(6.0, dtype=torch.float64)} for _ in range(3)]
+    dtypes = {"w": torch.float32, "n": torch.int64}
+    kept = [{k: v.clone() for k, v in p.items()} for p in parts]
+    for hosts in (1, 2, 3):
+        for total in (4.0, 0.0):
+            out = reduce_sums([(p, dtypes) for p in parts[:hosts]], total)
+            summed = sum(p["w"] for p in kept[:hosts])
+            want = (summed / total if total > 0 else summed).to(torch.float32)
+            assert torch.equal(out["w"], want) and out["w"].dtype == torch.float32
+            assert out["n"].dtype == torch.int64
+            for p, k in zip(parts, kept):  # the hosts' partials as they arrived
+                assert all(torch.equal(p[key], k[key]) for key in p)
+            assert all(out[key].data_ptr() != p[key].data_ptr() for p in parts for key in p)
+    same_dtype = reduce_sums([(parts[0], {"w": torch.float64, "n": torch.float64})], 0.0)  # a cast that copies nothing
+    assert same_dtype["w"].data_ptr() != parts[0]["w"].data_ptr() and torch.equal(same_dtype["w"], parts[0]["w"])

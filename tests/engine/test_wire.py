@@ -95,7 +95,7 @@ def test_read_only_tensors_round_trip_as_read_only_tensors():
 
 
 def test_a_hosts_partial_sums_arrive_as_views_of_the_object_store(ray_session):
-    """The server only reads a host's sums (raysim.core.aggregation.reduce_sums clones the first):
+    """The server only reads a host's sums (raysim.core.aggregation.reduce_sums never writes them):
     they arrive without a private copy, the same bits; plain tensors beside them still copy."""
     ray = ray_session
 

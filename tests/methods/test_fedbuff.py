@@ -94,6 +94,20 @@ def test_a_delta_upload_is_new_tensors_and_keeps_integer_buffers_as_they_are():
     assert d["n"].item() == 5  # a copy: the next client's training does not write into it
 
 
+
+def test_scaling_a_delta_in_place_gives_the_bits_of_a_new_tensor():
+    """A host scales its own delta upload in place before the fold (no new buffer per job): the
+    same float32 rounding of s * delta, integer buffers untouched, s = 1 a no-op."""
+    torch.manual_seed(0)
+    delta = {"w": torch.randn(1000), "n": torch.tensor(7)}
+    for s in (1 / 3 ** 0.5, 0.1, 1.0):
+        mine = {k: v.clone() for k, v in delta.items()}
+        new = staleness_scaled(delta, s)
+        scaled = staleness_scaled(mine, s, in_place=True)
+        assert scaled["w"].data_ptr() == mine["w"].data_ptr() and torch.equal(scaled["w"], new["w"])
+        assert torch.equal(scaled["n"], torch.tensor(7))
+    assert torch.equal(staleness_scaled(delta, 0.5)["w"], (delta["w"].double() * 0.5).float())  # exact: a power of two
+
 @pytest.mark.parametrize("name, why", [("fedavg", ""), ("fedprox", ""), ("fedadam", ""), ("fedbuff", ""),
                                        ("fedasync", ""), ("scaffold", "own server step"),
                                        ("fdse", "keeps them all"), ("feddrop", "keeps them all"), ("fedbn", "personal tensors"),
