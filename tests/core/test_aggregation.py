@@ -118,9 +118,9 @@ def test_the_engine_calls_aggregate_only_with_uploads():
 
 
 def test_the_server_reduces_into_buffers_of_its_own_leaving_the_hosts_sums_as_they_were():
-    """reduce_sums adds in place, into a clone of the first host's sums: the hosts' partials (which
-    arrive as read-only views of the object store) are not written, and the mean is the out-of-place
-    sum's, bit for bit."""
+    """reduce_sums adds into a buffer of its own (the first host's sums are not copied, the second's
+    are added into a new one): the hosts' partials (which arrive as read-only views of the object
+    store) are not written, and the mean is the out-of-place sum's, bit for bit."""
     torch.manual_seed(2)
     agg = WeightedMean()
     partials = []
@@ -140,10 +140,9 @@ def test_the_server_reduces_into_buffers_of_its_own_leaving_the_hosts_sums_as_th
     assert out.mean["n"] == torch.round((before[0]["n"] + before[1]["n"] + before[2]["n"]) / total).to(torch.int64)
 
 
-def test_the_servers_reduce_never_writes_the_hosts_partials_and_returns_its_own_buffers():
-    """reduce_sums adds the hosts' float64 sums without copying the first (they arrive as read-only
-    views of the object store): sums of its own, equal to a copy-then-add, for one, two or three hosts,
-    and with no weight at all."""
+def test_the_servers_reduce_returns_its_own_buffers_for_any_number_of_hosts_and_no_weight():
+    """The cases the test above leaves out: one host (nothing to add, the division makes the new
+    buffer), two, and no weight at all (a copy); none of the mean's tensors is a host's."""
     from raysim.core.aggregation import reduce_sums
     torch.manual_seed(0)
     parts = [{"w": torch.randn(7, dtype=torch.float64), "n": torch.tensor(6.0, dtype=torch.float64)} for _ in range(3)]

@@ -94,7 +94,6 @@ def test_a_delta_upload_is_new_tensors_and_keeps_integer_buffers_as_they_are():
     assert d["n"].item() == 5  # a copy: the next client's training does not write into it
 
 
-
 def test_scaling_a_delta_in_place_gives_the_bits_of_a_new_tensor():
     """A host scales its own delta upload in place before the fold (no new buffer per job): the
     same float32 rounding of s * delta, integer buffers untouched, s = 1 a no-op."""
@@ -107,6 +106,7 @@ def test_scaling_a_delta_in_place_gives_the_bits_of_a_new_tensor():
         assert scaled["w"].data_ptr() == mine["w"].data_ptr() and torch.equal(scaled["w"], new["w"])
         assert torch.equal(scaled["n"], torch.tensor(7))
     assert torch.equal(staleness_scaled(delta, 0.5)["w"], (delta["w"].double() * 0.5).float())  # exact: a power of two
+
 
 @pytest.mark.parametrize("name, why", [("fedavg", ""), ("fedprox", ""), ("fedadam", ""), ("fedbuff", ""),
                                        ("fedasync", ""), ("scaffold", "own server step"),
